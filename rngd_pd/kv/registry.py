@@ -1,0 +1,85 @@
+"""Transports by name: entry-point group `airm.kv_transports`, imported only when asked for.
+
+Resolution order for a name: `rm_core.registry.load` when rm_core is importable (ai-rm's registry),
+otherwise the installed entry points (`importlib.metadata`). `shm` also resolves from the source tree
+alone (package not installed, only rngd_pd on PYTHONPATH), as pods that mount the code do. A name that
+resolves nowhere is a `KeyError` listing the known names; nothing falls back to another transport.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rngd_pd.kv.protocol import Transport
+
+GROUP = "airm.kv_transports"
+ENV_NAME = "AIRM_KV_TRANSPORT"
+DEFAULT = "shm"
+# Found without any installed metadata (only the source tree on the path).
+BUILTIN: dict[str, str] = {"shm": "rngd_pd.kv.shm:ShmTransport"}
+
+_lock = threading.Lock()
+_cache: dict[str, Callable[..., Any]] = {}
+
+
+def _import(target: str) -> Callable[..., Any]:
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=GROUP)}
+
+
+def known_names() -> list[str]:
+    """Every name that can resolve here: installed entry points plus the built-in ones."""
+    return sorted(set(_entry_points()) | set(BUILTIN))
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+    try:
+        from rm_core import registry as rm_registry  # ai-rm's registry, when installed
+    except ImportError:
+        rm_registry = None
+    if rm_registry is not None:
+        try:
+            return rm_registry.load(GROUP, name)
+        except (KeyError, LookupError):
+            pass  # rm_core does not know it: try our own entry points and built-ins below
+    eps = _entry_points()
+    if name in eps:
+        return eps[name].load()
+    if name in BUILTIN:
+        return _import(BUILTIN[name])
+    raise KeyError(
+        f"unknown KV transport {name!r}; known: {', '.join(known_names())} "
+        f"(entry-point group {GROUP}; set {ENV_NAME} or pass a name)"
+    )
+
+
+def transport_class(name: str) -> Callable[..., Any]:
+    """The factory (usually a class) registered under `name`, looked up once per process."""
+    with _lock:
+        if name not in _cache:
+            _cache[name] = _resolve(name)
+        return _cache[name]
+
+
+def load_transport(name: str | None = None, **options: Any) -> Transport:
+    """Build the transport `name` (default: $AIRM_KV_TRANSPORT, else "shm") with `options`.
+
+    A registered object that is already a transport instance is returned as it is.
+    """
+    name = name or os.environ.get(ENV_NAME) or DEFAULT
+    obj = transport_class(name)
+    if not isinstance(obj, type) and hasattr(obj, "push") and hasattr(obj, "pull"):
+        return obj  # an instance registered directly
+    return obj(**options)

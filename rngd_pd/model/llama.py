@@ -1,0 +1,170 @@
+"""Llama in plain torch with the KV cache passed in and out explicitly (no hidden module state).
+
+`prefill` (one prompt, or a chunk of one after `past`) and `decode_step` (B sequences, one token
+each, at their own positions, against a static KVCache) are separate functions: they are the two
+graphs a prefill device and a decode device run. GQA, RMSNorm, RoPE (llama3 scaling), SwiGLU.
+Projections are fused (QKV, gate+up) so a step issues as few matmuls as possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rngd_pd.errors import ConfigError
+from rngd_pd.model.cache import KVCache
+from rngd_pd.model.config import ModelConfig
+from rngd_pd.model.rope import RopeTable, apply_rope
+
+KV = list[tuple[Tensor, Tensor]]
+OnLayer = Callable[[int, Tensor, Tensor], None]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Block(nn.Module):
+    """One decoder layer's weights: fused QKV, output, fused gate/up, down, two RMSNorm weights."""
+
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.attn_norm = _param(c.hidden_size, dtype=dtype)
+        self.wqkv = _param(qkv_rows, c.hidden_size, dtype=dtype)
+        self.wo = _param(c.hidden_size, c.num_heads * c.head_dim, dtype=dtype)
+        self.ffn_norm = _param(c.hidden_size, dtype=dtype)
+        self.w13 = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
+        self.w2 = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
+        self.eps = c.rms_norm_eps
+        self.split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+
+    def norm(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, D] -> q [N, H*hd], k [N, KVH*hd], v [N, KVH*hd] (views of one matmul)."""
+        return F.linear(self.norm(x, self.attn_norm), self.wqkv).split(self.split, dim=-1)
+
+    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+        """Residual add of the attention output attn [N, H*hd], then the SwiGLU MLP."""
+        x = x + F.linear(attn, self.wo)
+        gate, up = F.linear(self.norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+
+class Llama(nn.Module):
+    """Weights plus the two forward functions; dtype is the compute dtype (fp32 or bf16)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        c = self.config = config
+        self.dtype = dtype
+        self.embed = _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block(c, dtype) for _ in range(c.num_layers))
+        self.norm = _param(c.hidden_size, dtype=dtype)
+        self.lm_head = (
+            self.embed if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        )
+        self.rope = RopeTable(c.head_dim, c.rope_theta, c.rope_scaling, c.max_context)
+        self.requires_grad_(False)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """x [N, D] -> fp32 logits [N, vocab]."""
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _rope(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: Tensor,
+        past: KV | None = None,
+        on_layer: OnLayer | None = None,
+        kv_dtype: torch.dtype = torch.bfloat16,
+    ) -> tuple[Tensor, KV]:
+        """Run T prompt tokens after P cached ones; return last logits [vocab] and the new (K, V).
+
+        K/V per layer are [kv_heads, T, head_dim] in kv_dtype; on_layer(i, K, V) gets them as soon
+        as layer i computed them. Attention reads the kv_dtype-rounded values, as decode will.
+        """
+        c = self.config
+        t = int(tokens.shape[0])
+        p = int(past[0][0].shape[1]) if past else 0
+        if t < 1:
+            raise ConfigError("prefill needs at least one token")
+        cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
+        mask = None if p == 0 else _chunk_mask(p, t)
+        x = F.embedding(tokens, self.embed)  # [T, D]
+        out: KV = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x)
+            q = apply_rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)  # [H, T, hd]
+            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)  # [KVH, T, hd]
+            k = k.to(kv_dtype).contiguous()
+            v = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1).to(kv_dtype).contiguous()
+            out.append((k, v))
+            if on_layer is not None:
+                on_layer(i, k, v)
+            kk, vv = k.to(self.dtype), v.to(self.dtype)
+            if past:
+                kk = torch.cat([past[i][0].to(self.dtype), kk], dim=1)  # [KVH, P+T, hd]
+                vv = torch.cat([past[i][1].to(self.dtype), vv], dim=1)
+            o = F.scaled_dot_product_attention(
+                q[None], kk[None], vv[None], attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )  # [1, H, T, hd]
+            x = layer.finish(x, o[0].transpose(0, 1).reshape(t, -1))
+        return self._logits(x[-1:])[0], out
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+        """One token for each of B sequences: writes its K/V at (slot, position), returns logits [B, V].
+
+        Row b attends over its slot's positions [0, positions[b]]; rows may have different lengths.
+        """
+        c = self.config
+        b = int(tokens.shape[0])
+        pos = positions.tolist()
+        sel = _slot_selector(slots.tolist(), b, cache, pos)
+        length = max(pos) + 1
+        mask = (torch.arange(length) <= positions[:, None]).view(b, 1, 1, length)  # [B, 1, 1, L]
+        cos, sin = self._rope(*self.rope.gather(positions, length - 1))  # [B, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, hd] broadcast over heads
+        groups = c.num_heads // c.num_kv_heads
+        x = F.embedding(tokens, self.embed)  # [B, D]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x)
+            q = apply_rope(q.view(b, c.num_heads, c.head_dim), cos, sin)  # [B, H, hd]
+            k = apply_rope(k.view(b, c.num_kv_heads, c.head_dim), cos, sin)  # [B, KVH, hd]
+            ck, cv = cache.k[i], cache.v[i]
+            ck[slots, :, positions] = k.to(ck.dtype)
+            cv[slots, :, positions] = v.view(b, c.num_kv_heads, c.head_dim).to(cv.dtype)
+            kk = ck[sel, :, :length].to(self.dtype)  # [B, KVH, L, hd]
+            vv = cv[sel, :, :length].to(self.dtype)
+            qg = q.view(b, c.num_kv_heads, groups, c.head_dim)  # the G query heads sharing a KV head
+            o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, KVH, G, hd]
+            x = layer.finish(x, o.reshape(b, -1))
+        return self._logits(x)
+
+
+def _chunk_mask(p: int, t: int) -> Tensor:
+    """Bool mask [T, P+T]: query i (absolute P+i) sees keys [0, P+i]."""
+    return torch.arange(p + t)[None, :] <= (torch.arange(t)[:, None] + p)
+
+
+def _slot_selector(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> slice | list[int]:
+    """Validate a step's rows; a run of consecutive slots is read as a view (no gather copy)."""
+    if len(slots) != b or len(pos) != b:
+        raise ConfigError(f"decode_step got {b} tokens, {len(pos)} positions and {len(slots)} slots")
+    if min(slots) < 0 or max(slots) >= cache.num_slots or len(set(slots)) != b:
+        raise ConfigError(f"slots {slots} must be distinct and in [0, {cache.num_slots})")
+    if min(pos) < 0 or max(pos) >= cache.max_len:
+        raise ConfigError(f"positions {pos} must be in [0, cache max_len {cache.max_len})")
+    if slots == list(range(slots[0], slots[0] + b)):
+        return slice(slots[0], slots[0] + b)
+    return slots

@@ -61,8 +61,8 @@ class TensorSpec:
 
     @property
     def config_dtype(self) -> str:
-        """The spelling in config.pbtxt (`TYPE_INT32`)."""
-        return f"TYPE_{self.dtype}"
+        """The spelling in config.pbtxt (`TYPE_INT32`; BYTES is `TYPE_STRING` there)."""
+        return "TYPE_STRING" if self.dtype == "BYTES" else f"TYPE_{self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,8 @@ def load_config(path: str | Path) -> Any:
 def _dtype_name(enum_value: int) -> str:
     from tritonclient.grpc import model_config_pb2
 
-    return model_config_pb2.DataType.Name(enum_value).removeprefix("TYPE_")
+    name = model_config_pb2.DataType.Name(enum_value).removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
 
 
 def check_config(config: Any, spec: ModelSpec | None = None) -> list[str]:

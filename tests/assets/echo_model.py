@@ -1,0 +1,55 @@
+"""A minimal decoupled python-backend model for the plumbing tests: streams its input ids back.
+
+It exercises what the real models use: params (parser + env overrides), pbutils (inputs, responses,
+errors), metrics (airm_* families). Not a stand-in for the real models.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rngd_pd.errors import ConfigError
+from rngd_pd.triton import metrics, params, pbutils
+from rngd_pd.triton.tensors import TOKEN_OUTPUTS, ModelSpec, TensorSpec
+
+SPEC = ModelSpec("echo", (TensorSpec("input_ids", "INT32", (-1,)),), TOKEN_OUTPUTS, decoupled=True)
+
+
+@dataclass(frozen=True)
+class EchoParams(params.ServingParams):
+    delay_ms: float = params.param(0.0, help="sleep before each token")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        self.params = params.parse_params(EchoParams, args["model_config"])
+        self.metrics = metrics.triton_metrics(args["model_name"])
+        pbutils.log(f"echo: {params.describe(self.params)}")
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._stream(request, sender)
+            except Exception as exc:
+                pbutils.send_error(sender, exc)
+
+    def _stream(self, request, sender) -> None:
+        ids = pbutils.input_ids(request, "input_ids")
+        if not ids or min(ids) < 0:
+            raise ConfigError("input_ids must be a non-empty list of token ids >= 0")
+        t0 = time.monotonic()
+        ttft = 0.0
+        for n, token in enumerate(ids):
+            time.sleep(self.params.delay_ms / 1e3)
+            pbutils.send(sender, pbutils.make_response(SPEC, {"output_ids": [token], "finish_reason": ""}))
+            if n == 0:
+                ttft = time.monotonic() - t0
+        self.metrics.record_request(ttft, len(ids), time.monotonic() - t0)
+        self.metrics.record_kv_transfer(0.002, self.params.kv_transport)
+        final = {"output_ids": [], "finish_reason": "length"}
+        pbutils.send(sender, pbutils.make_response(SPEC, final), final=True)
+
+    def finalize(self) -> None:
+        self.metrics.sink.close()

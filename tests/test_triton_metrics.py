@@ -1,0 +1,61 @@
+"""airm_* values over the most recent requests, as the sink (Triton's metric families) receives them."""
+
+from __future__ import annotations
+
+import pytest
+
+from rngd_pd.triton import metrics
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.gauges: dict[tuple, float] = {}
+        self.observed: list[tuple] = []
+
+    def set_gauge(self, name: str, labels: dict, value: float) -> None:
+        self.gauges[(name, tuple(sorted(labels.items())))] = value
+
+    def observe(self, name: str, labels: dict, value: float) -> None:
+        self.observed.append((name, labels.get("kv_transport"), value))
+
+
+def test_percentile() -> None:
+    assert metrics.percentile([], 90) == 0.0
+    assert metrics.percentile([5.0], 90) == 5.0
+    assert metrics.percentile(range(1, 11), 90) == pytest.approx(9.1)
+    assert metrics.percentile([3, 1, 2], 50) == 2
+
+
+def test_request_gauges_and_histograms() -> None:
+    sink = RecordingSink()
+    m = metrics.ServingMetrics("pd", sink)
+    for i in range(10):  # ttft 10..100 ms, 11 tokens in 0.1 s + ttft, back to back
+        ttft = 0.01 * (i + 1)
+        m.record_request(ttft, 11, ttft + 0.1, end=float(i + 1))
+    snap = m.snapshot()
+    assert snap[metrics.TTFT_P90] == pytest.approx(91.0)
+    assert snap[metrics.TPOT_P90] == pytest.approx(10.0)
+    # 110 tokens between the first start (1 - 0.11) and the last end (10)
+    assert snap[metrics.TOK_S] == pytest.approx(110 / (10 - 0.89))
+    assert sink.gauges[(metrics.TTFT_P90, (("model", "pd"),))] == pytest.approx(91.0)
+    assert sum(1 for o in sink.observed if o[0] == metrics.TTFT_HIST) == 10
+
+
+def test_window_keeps_most_recent_requests() -> None:
+    m = metrics.ServingMetrics("pd", window=4)
+    for ttft in (9.0, 9.0, 9.0, 9.0, 0.1, 0.1, 0.1, 0.1):
+        m.record_request(ttft, 1, ttft)
+    snap = m.snapshot()
+    assert snap["requests"] == 4 and snap[metrics.TTFT_P90] == pytest.approx(100.0)
+    assert snap[metrics.TPOT_P90] == 0.0  # single-token requests have no TPOT
+
+
+def test_kv_transfer_median_per_transport() -> None:
+    sink = RecordingSink()
+    m = metrics.ServingMetrics("decode", sink)
+    for s in (0.001, 0.003, 0.002):
+        m.record_kv_transfer(s, "shm")
+    m.record_kv_transfer(0.5, "tcp")
+    key = (metrics.KV_TRANSFER, (("kv_transport", "shm"), ("model", "decode")))
+    assert sink.gauges[key] == pytest.approx(2.0)
+    assert m.snapshot()[metrics.KV_TRANSFER] == {"shm": pytest.approx(2.0), "tcp": pytest.approx(500.0)}

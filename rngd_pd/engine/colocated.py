@@ -1,0 +1,91 @@
+"""Colocated serving: prefill and decode in one process, KV handed over by a memory copy.
+
+The reference every disaggregated path is compared with (same tokens, no transfer) and the baseline
+for throughput: a PrefillEngine feeding a continuous-batching DecodeEngine in the same process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from rngd_pd.engine.decode import DecodeEngine
+from rngd_pd.engine.prefill import PrefillEngine
+from rngd_pd.engine.request import DecodeRequest, GenerationResult, TokenEvent
+from rngd_pd.model.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class ColocatedEngine:
+    """generate()/stream() from prompt ids; safe to call from several threads at once."""
+
+    def __init__(
+        self,
+        loaded,
+        num_slots: int = 1,
+        max_len: int | None = None,
+        kv_dtype: torch.dtype = torch.bfloat16,
+        chunk_size: int | None = 512,
+        max_queue: int = 64,
+        buckets: Sequence[int] | Mapping[int, int] | None = None,
+    ) -> None:
+        self.loaded = loaded
+        max_len = min(max_len or loaded.config.max_context, loaded.config.max_context)
+        self.prefill_engine = PrefillEngine(loaded, kv_dtype, chunk_size, max_context=max_len)
+        self.decode_engine = DecodeEngine(loaded, num_slots, max_len, kv_dtype, max_queue, buckets)
+        self.decode_engine.start()
+
+    def close(self) -> None:
+        self.decode_engine.stop()
+
+    def __enter__(self) -> ColocatedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, key: str | None = None
+    ) -> Iterator[TokenEvent]:
+        """Yield one TokenEvent per generated token; the last has finished=True.
+
+        Validation errors (ConfigError, ContextLengthError, CapacityError) raise before anything is
+        yielded; an engine error arrives as the final event's `error` and is raised here. Closing
+        the iterator early cancels the request.
+        """
+        key = key or f"colocated-{next(_ids)}"
+        pre = self.prefill_engine.prefill(key, prompt_ids, params)
+        events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+
+        def load_kv(cache, slot: int) -> None:
+            cache.load_all(slot, pre.kv)
+
+        req = DecodeRequest(key, pre.num_tokens, pre.first_token, params, load_kv, events.put)
+        self.decode_engine.submit(req)
+        done = False
+        try:
+            while not done:
+                ev = events.get()
+                done = ev.finished
+                if ev.error is not None:
+                    raise ev.error
+                yield ev
+        finally:
+            if not done:
+                self.decode_engine.cancel(key)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        """Run one request to the end and collect its tokens and text."""
+        tokens: list[int] = []
+        text: list[str] = []
+        reason = ""
+        for ev in self.stream(prompt_ids, params):
+            if ev.token_id is not None:
+                tokens.append(ev.token_id)
+            text.append(ev.text)
+            reason = ev.finish_reason or reason
+        return GenerationResult(tokens, list(prompt_ids), "".join(text), reason)

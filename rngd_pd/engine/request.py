@@ -1,0 +1,137 @@
+"""What the engines exchange with their callers, and the per-request token bookkeeping they share.
+
+`RequestState` turns each sampled token into a `TokenEvent`: it detokenizes incrementally, watches
+stop strings, EOS and max_tokens, and decides when the request is finished. The colocated and the
+disaggregated paths use the same class, so they finish requests the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rngd_pd.errors import ConfigError, ContextLengthError
+from rngd_pd.model.sampling import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams, StopChecker
+
+if TYPE_CHECKING:
+    import torch
+
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One streamed step of a request. Exactly one event per request has finished=True.
+
+    token_id is None only on a final event that carries no token (cancel, error). text is the
+    detokenized delta that is safe to show (stop strings and broken UTF-8 held back).
+    """
+
+    key: str
+    token_id: int | None
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "eos" | "cancelled" | "error"
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    num_tokens: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [kv_heads, num_tokens, head_dim]
+
+
+@dataclass
+class DecodeRequest:
+    """A prefilled request handed to the DecodeEngine.
+
+    load_kv(cache, slot) must write the prompt's KV (positions [0, prompt_len)) into the slot of
+    every layer; it runs on a loader thread and may block on a transport. It is never called when
+    the first token already ends the request (the caller then releases the KV itself).
+    """
+
+    key: str
+    prompt_len: int
+    first_token: int
+    params: SamplingParams
+    load_kv: Callable[..., None]
+    emit: Callable[[TokenEvent], None]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only; an EOS that ended the request is included
+    prompt_token_ids: list[int]
+    text: str  # generated text without the stop string and without EOS
+    finish_reason: str
+    extra: dict = field(default_factory=dict)
+
+
+def check_request(
+    prompt_len: int, params: SamplingParams, max_context: int, key: str | None = None
+) -> None:
+    """Raise ConfigError / ContextLengthError before any compute is spent on a request."""
+    try:
+        params.validate()
+    except ConfigError as e:
+        raise ConfigError(str(e), key=key) from None
+    if prompt_len < 1:
+        raise ConfigError("the prompt is empty: give at least one token", key=key)
+    if prompt_len + params.max_tokens > max_context:
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{prompt_len + params.max_tokens} exceeds the context limit of {max_context} tokens; "
+            "shorten the prompt or lower max_tokens",
+            key=key,
+        )
+
+
+class RequestState:
+    """Token-by-token finish logic of one request: EOS, stop strings, max_tokens, text deltas."""
+
+    def __init__(self, key: str, params: SamplingParams, tokenizer, eos_token_ids: Sequence[int]) -> None:
+        self.key = key
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.decoder = tokenizer.stream_decoder()
+        self.stop = StopChecker(params.stop)
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def advance(self, token: int) -> TokenEvent:
+        """Account for one new token; the returned event says whether the request is done."""
+        self.token_ids.append(token)
+        if token in self.eos:
+            return self._finish(token, FINISH_EOS, "")
+        text, stopped = self.stop.push(self.decoder.push(token))
+        if stopped:
+            return self._finish(token, FINISH_STOP, text)
+        if len(self.token_ids) >= self.params.max_tokens:
+            return self._finish(token, FINISH_LENGTH, text)
+        self.text_parts.append(text)
+        return TokenEvent(self.key, token, text)
+
+    def final(self, reason: str, error: BaseException | None = None) -> TokenEvent:
+        """The final event of a request ended from outside (cancel, error); no token."""
+        self.finished = True
+        return TokenEvent(self.key, None, "", True, reason, error)
+
+    def _finish(self, token: int, reason: str, text: str) -> TokenEvent:
+        if reason != FINISH_STOP:
+            tail, stopped = self.stop.push(self.decoder.flush())
+            text += tail
+            if stopped:
+                reason = FINISH_STOP
+            else:
+                text += self.stop.flush()
+        self.text_parts.append(text)
+        self.finished = True
+        return TokenEvent(self.key, token, text, True, reason)

@@ -1,0 +1,273 @@
+"""Prefill, decode (continuous batching) and colocated engines on the embedded SmolLM2 model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.engine.decode import DecodeEngine
+from rngd_pd.engine.prefill import PrefillEngine
+from rngd_pd.engine.request import DecodeRequest, PrefillResult, RequestState, TokenEvent
+from rngd_pd.errors import CapacityError, ConfigError, ContextLengthError, RngdPdError, TransportError
+from rngd_pd.model.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8)
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew "
+         "strange potions in an old tower near the sea and count the stars").split()
+
+
+def prompt(tokenizer, n_words: int, offset: int = 0) -> list[int]:
+    words = [WORDS[(offset + i) % len(WORDS)] for i in range(n_words)]
+    return tokenizer.encode(" ".join(words))
+
+
+class Collector:
+    """emit target: keeps every event of one request and signals the final one."""
+
+    def __init__(self) -> None:
+        self.events: list[TokenEvent] = []
+        self.done = threading.Event()
+
+    def __call__(self, ev: TokenEvent) -> None:
+        self.events.append(ev)
+        if ev.finished:
+            self.done.set()
+
+    def wait(self, timeout: float = 120.0) -> list[int]:
+        assert self.done.wait(timeout), "no final event"
+        assert sum(e.finished for e in self.events) == 1
+        return [e.token_id for e in self.events if e.token_id is not None]
+
+    @property
+    def final(self) -> TokenEvent:
+        return self.events[-1]
+
+
+def request(key: str, pre: PrefillResult, params: SamplingParams, load_kv=None) -> tuple[DecodeRequest, Collector]:
+    col = Collector()
+    load = load_kv or (lambda cache, slot: cache.load_all(slot, pre.kv))
+    return DecodeRequest(key, pre.num_tokens, pre.first_token, params, load, col), col
+
+
+@pytest.fixture(scope="module")
+def prefiller(engine_model) -> PrefillEngine:
+    return PrefillEngine(engine_model, chunk_size=None)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_model):
+    eng = DecodeEngine(engine_model, num_slots=16, max_len=160, buckets=[64, 160], max_queue=4)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def ragged(engine_model, prefiller) -> list[tuple[list[int], SamplingParams, list[int]]]:
+    """16 ragged prompts, each decoded alone (batch of one): the reference tokens."""
+    cases = []
+    with DecodeEngine(engine_model, num_slots=1, max_len=160, buckets=[160]) as alone:
+        for i in range(16):
+            ids = prompt(engine_model.tokenizer, 3 + 5 * i, offset=i)
+            params = SamplingParams(max_tokens=4 + i % 5, ignore_eos=True)
+            req, col = request(f"alone-{i}", prefiller.prefill(f"alone-{i}", ids, params), params)
+            alone.submit(req)
+            cases.append((ids, params, col.wait()))
+    return cases
+
+
+def test_batched_greedy_equals_alone(engine, prefiller, ragged) -> None:
+    cols = []
+    for i, (ids, params, _) in enumerate(ragged):
+        req, col = request(f"batch-{i}", prefiller.prefill(f"batch-{i}", ids, params), params)
+        engine.submit(req)
+        cols.append(col)
+    for (_, params, expected), col in zip(ragged, cols, strict=True):
+        assert col.wait() == expected
+        assert len(expected) == params.max_tokens and col.final.finish_reason == "length"
+    stats = engine.stats()
+    assert stats["free_slots"] == 16 and stats["active"] == 0
+
+
+def test_chunked_prefill_equals_whole(engine_model, prefiller, ragged) -> None:
+    ids, params, expected = ragged[-1]  # the longest prompt
+    chunked = PrefillEngine(engine_model, chunk_size=16)
+    seen = []
+    pre = chunked.prefill("chunked", ids, params, on_layer=lambda i, k, v: seen.append((i, k.shape[1])))
+    whole = prefiller.prefill("whole", ids, params)
+    assert seen == [(i, len(ids)) for i in range(engine_model.config.num_layers)]
+    assert pre.first_token == whole.first_token == expected[0]
+    for (k1, v1), (k2, v2) in zip(pre.kv, whole.kv, strict=True):
+        torch.testing.assert_close(k1.float(), k2.float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(v1.float(), v2.float(), atol=0.05, rtol=0.02)
+    with DecodeEngine(engine_model, num_slots=1, max_len=160, buckets=[160]) as eng:
+        req, col = request("chunked", pre, params)
+        eng.submit(req)
+        assert col.wait() == expected
+
+
+def test_seeded_sampling_reproducible_alone_and_in_a_batch(engine, prefiller, engine_model) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    ids = prompt(engine_model.tokenizer, 12)
+    runs = []
+    for batch in (1, 3):
+        cols = []
+        for j in range(batch):
+            p = params if j == 0 else SamplingParams(max_tokens=6, temperature=1.0, seed=j)
+            req, col = request(f"seed-{batch}-{j}", prefiller.prefill(f"seed-{batch}-{j}", ids, p), p)
+            engine.submit(req)
+            cols.append(col)
+        runs.append(cols[0].wait())
+        for c in cols[1:]:
+            c.wait()
+    assert runs[0] == runs[1]
+
+
+def test_stop_string_spanning_tokens(engine, prefiller, engine_model) -> None:
+    ids = prompt(engine_model.tokenizer, 10)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    req, col = request("nostop", prefiller.prefill("nostop", ids, params), params)
+    engine.submit(req)
+    col.wait()
+    text = "".join(e.text for e in col.events)
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    assert len(stop.strip()) >= 2
+    params2 = SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,))
+    req, col2 = request("stop", prefiller.prefill("stop", ids, params2), params2)
+    engine.submit(req)
+    col2.wait()
+    assert col2.final.finish_reason == "stop"
+    assert "".join(e.text for e in col2.events) == text[: text.index(stop)]
+
+
+def test_first_token_can_finish_without_loading_kv(engine, prefiller, engine_model) -> None:
+    params = SamplingParams(max_tokens=1)
+    pre = prefiller.prefill("one", prompt(engine_model.tokenizer, 5), params)
+
+    def never(cache, slot):
+        raise AssertionError("load_kv must not run")
+
+    req, col = request("one", pre, params, load_kv=never)
+    engine.submit(req)
+    assert col.done.is_set() and col.wait() == [pre.first_token]
+    assert col.final.finish_reason == "length"
+
+
+def test_eos_and_text_bookkeeping(engine_model) -> None:
+    tok = engine_model.tokenizer
+    eos = engine_model.config.eos_token_ids[0]
+    state = RequestState("k", SamplingParams(max_tokens=10), tok, engine_model.config.eos_token_ids)
+    ids = tok.encode(" hello world")
+    evs = [state.advance(t) for t in ids] + [state.advance(eos)]
+    assert evs[-1].finished and evs[-1].finish_reason == "eos" and evs[-1].token_id == eos
+    assert state.text == " hello world" and not any(e.finished for e in evs[:-1])
+    state2 = RequestState("k", SamplingParams(max_tokens=10, ignore_eos=True), tok, (eos,))
+    assert not state2.advance(eos).finished
+
+
+def test_load_error_fails_only_that_request(engine, prefiller, engine_model, ragged) -> None:
+    ids, params, expected = ragged[2]
+
+    def broken(cache, slot):
+        raise TransportError("relay went away")
+
+    bad_req, bad = request("bad", prefiller.prefill("bad", ids, params), params, load_kv=broken)
+    good_req, good = request("good", prefiller.prefill("good", ids, params), params)
+    engine.submit(bad_req)
+    engine.submit(good_req)
+    assert good.wait() == expected
+    bad.wait()
+    assert bad.final.finish_reason == "error" and isinstance(bad.final.error, TransportError)
+    assert engine.stats()["free_slots"] == 16
+
+
+def test_queue_full_then_cancel_frees_everything(engine_model, prefiller) -> None:
+    gate = threading.Event()
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    pre = prefiller.prefill("q", prompt(engine_model.tokenizer, 4), params)
+
+    def slow(cache, slot):
+        gate.wait(30)
+        cache.load_all(slot, pre.kv)
+
+    with DecodeEngine(engine_model, num_slots=1, max_len=128, buckets=[128], max_queue=1) as eng:
+        a, ca = request("a", pre, params, load_kv=slow)
+        b, cb = request("b", pre, params)
+        eng.submit(a)
+        eng.submit(b)
+        with pytest.raises(CapacityError, match="queue full"):
+            eng.submit(request("c", pre, params)[0])
+        with pytest.raises(ConfigError, match="already in flight"):
+            eng.submit(request("a", pre, params)[0])
+        assert eng.cancel("b") and not eng.cancel("nope")
+        cb.wait()
+        assert cb.final.finish_reason == "cancelled"
+        gate.set()
+        while len(ca.events) < 3:  # a is decoding now
+            ca.done.wait(0.01)
+        assert eng.stats()["active"] == 1 and eng.stats()["free_slots"] == 0
+        eng.cancel("a")
+        ca.wait()
+        assert ca.final.finish_reason == "cancelled" and ca.final.token_id is None
+        assert eng.stats()["free_slots"] == 1
+
+
+def test_submit_errors(engine_model, prefiller) -> None:
+    pre = prefiller.prefill("e", prompt(engine_model.tokenizer, 4), GREEDY)
+    eng = DecodeEngine(engine_model, num_slots=1, max_len=64, buckets=[32, 64])
+    with pytest.raises(RngdPdError, match="not running"):
+        eng.submit(request("x", pre, GREEDY)[0])
+    with eng:
+        too_long = SamplingParams(max_tokens=61)
+        with pytest.raises(ContextLengthError, match="64"):
+            eng.submit(request("x", pre, too_long)[0])
+        req, col = request("x", pre, SamplingParams(max_tokens=40, ignore_eos=True))
+        eng.submit(req)
+        assert len(col.wait()) == 40
+        assert eng.stats()["buckets"] == {32: 0, 64: 0}
+
+
+def test_stop_gives_every_request_a_final_event(engine_model, prefiller) -> None:
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    pre = prefiller.prefill("s", prompt(engine_model.tokenizer, 4), params)
+    eng = DecodeEngine(engine_model, num_slots=1, max_len=64, buckets=[64])
+    eng.start()
+    cols = []
+    for k in ("s1", "s2"):
+        req, col = request(k, pre, params)
+        eng.submit(req)
+        cols.append(col)
+    eng.stop()
+    for col in cols:
+        col.wait(5)
+        assert col.final.finish_reason == "cancelled"
+
+
+def test_prefill_validation(prefiller) -> None:
+    with pytest.raises(ConfigError, match="empty"):
+        prefiller.prefill("p", [], GREEDY)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        prefiller.prefill("p", [1, 10**6], GREEDY)
+    with pytest.raises(ContextLengthError, match="8192"):
+        prefiller.prefill("p", [1] * 8190, GREEDY)
+    with pytest.raises(ConfigError, match="top_p"):
+        prefiller.prefill("p", [1, 2], SamplingParams(top_p=2.0))
+
+
+def test_colocated_generate_and_stream(engine_model, ragged) -> None:
+    ids, params, expected = ragged[5]
+    with ColocatedEngine(engine_model, num_slots=2, max_len=128, chunk_size=8) as eng:
+        res = eng.generate(ids, params)
+        assert res.token_ids == expected and res.finish_reason == "length"
+        assert res.text == engine_model.tokenizer.decode(expected)
+        stream = eng.stream(ids, SamplingParams(max_tokens=50, ignore_eos=True), key="early")
+        next(stream)
+        stream.close()  # closing the iterator cancels the request
+        for _ in range(500):
+            if eng.decode_engine.stats()["free_slots"] == 2:
+                break
+            threading.Event().wait(0.01)
+        assert eng.decode_engine.stats()["free_slots"] == 2

@@ -7,6 +7,8 @@ exists; the decode side pulls them in order into buffers it preallocated, then r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 # What push accepts and pull fills: anything exposing a C-contiguous byte buffer (bytes, bytearray,
@@ -86,3 +88,21 @@ class CopyTransport(Protocol):
     def close(self) -> None:
         """Free the agent and its registrations."""
         ...
+
+
+@dataclass
+class ConformanceCase:
+    """How the conformance suite drives one transport (from its `conformance_case()` classmethod).
+
+    A transport class may define `conformance_case(cls) -> ContextManager[ConformanceCase]`: entering it
+    sets up what the transport needs (a scratch directory, a relay), leaving it tears that down. The
+    hooks let the suite reach into the transport's storage; a hook left None skips its case.
+    """
+
+    options: dict[str, Any] = field(default_factory=dict)  # load_transport(**options), both processes
+    env: dict[str, str] = field(default_factory=dict)  # environment for the child processes
+    ttl_s: float | None = None  # with ttl_options, blobs expire after about this long
+    ttl_options: dict[str, Any] | None = None
+    corrupt: Callable[[str, int], None] | None = None  # flip a byte of a stored blob in place
+    stored_blobs: Callable[[str], int] | None = None  # blobs held under a key (0 after release/TTL)
+    stored_bytes: Callable[[], int] | None = None  # bytes held for unreleased blobs, all keys

@@ -7,7 +7,8 @@ names the model and the parameter when a name is unknown or a value does not con
 config.pbtxt stops `initialize` instead of being ignored.
 
 Environment overrides (set by `rngd-pd serve` and by ai-rm) win over config.pbtxt: `RNGD_PD_MODEL`
-(model path), `AIRM_KV_TRANSPORT` (transport name), `RNGD_PD_KV_DTYPE` (KV wire dtype).
+(model path), `AIRM_KV_TRANSPORT` (transport name), `RNGD_PD_KV_DTYPE` (KV wire dtype), and for `pd`
+`RNGD_PD_PREFILL_URL` / `RNGD_PD_DECODE_URL` (remote prefill/decode servers, gRPC host:port).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from rngd_pd.errors import ConfigError
 ENV_MODEL = "RNGD_PD_MODEL"
 ENV_KV_TRANSPORT = "AIRM_KV_TRANSPORT"
 ENV_KV_DTYPE = "RNGD_PD_KV_DTYPE"
+ENV_PREFILL_URL = "RNGD_PD_PREFILL_URL"  # pd: reach prefill by gRPC in another tritonserver
+ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another tritonserver
 
 KV_DTYPES = ("bf16", "fp16", "fp32")
 DEVICES = ("cpu", "cuda", "rngd", "atom")

@@ -103,6 +103,8 @@ class ConformanceCase:
     env: dict[str, str] = field(default_factory=dict)  # environment for the child processes
     ttl_s: float | None = None  # with ttl_options, blobs expire after about this long
     ttl_options: dict[str, Any] | None = None
-    corrupt: Callable[[str, int], None] | None = None  # flip a byte of a stored blob in place
+    # corrupt(transport, key, index, data): store `data` under (key, index) corrupted the way this
+    # transport's storage or wire can be; may raise TransportIntegrityError itself (checked on the way in)
+    corrupt: Callable[[Any, str, int, bytes], None] | None = None
     stored_blobs: Callable[[str], int] | None = None  # blobs held under a key (0 after release/TTL)
     stored_bytes: Callable[[], int] | None = None  # bytes held for unreleased blobs, all keys

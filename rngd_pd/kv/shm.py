@@ -75,14 +75,15 @@ def _make_dir(path: str) -> None:
 
 
 class _Slot:
-    __slots__ = ("arr", "fd", "path", "size")
+    __slots__ = ("arr", "fd", "path", "pending", "size")
 
     def __init__(self, fd: int, path: str, size: int) -> None:
         self.fd, self.path, self.size = fd, path, size
+        self.pending = True  # taken but not yet linked under a key: busy although its link count is 1
         self.arr = np.frombuffer(mmap.mmap(fd, size, flags=_MAP), np.uint8)  # mapped and faulted once
 
     def is_free(self) -> bool:
-        return os.fstat(self.fd).st_nlink <= 1
+        return not self.pending and os.fstat(self.fd).st_nlink <= 1
 
 
 class _SlotPool:
@@ -139,6 +140,7 @@ class _SlotPool:
                 slot = free.pop()
             else:
                 slot = self._create(size)
+            slot.pending = True
             self.busy.append(slot)
             return slot
 
@@ -163,6 +165,7 @@ class _SlotPool:
         with self.mutex:
             with contextlib.suppress(ValueError):
                 self.busy.remove(slot)
+            slot.pending = False
             self._to_idle(slot)
 
     def held_bytes(self) -> tuple[int, int]:
@@ -225,6 +228,7 @@ class ShmTransport:
             np.copyto(slot.arr[:n], np.frombuffer(view, np.uint8))
             slot.arr[n:] = np.frombuffer(trailer, np.uint8)
             self._publish(slot.path, path, key)
+            slot.pending = False
         except BaseException:
             pool.give_back(slot)
             raise
@@ -336,7 +340,7 @@ class ShmTransport:
         try:
             yield ConformanceCase(
                 options={"root": root}, ttl_s=0.5, ttl_options={"root": root, "ttl_s": 0.5},
-                corrupt=lambda key, index: _flip_byte(probe._blob_path(key, index)),
+                corrupt=lambda t, key, index, data: _corrupt_after_push(t, key, index, data),
                 stored_blobs=probe.stored_blobs, stored_bytes=lambda: linked_bytes(root))
         finally:
             probe.close()
@@ -390,8 +394,9 @@ def linked_bytes(root: str) -> int:
     return total
 
 
-def _flip_byte(path: str) -> None:
-    with open(path, "r+b") as f:
+def _corrupt_after_push(t: ShmTransport, key: str, index: int, data: bytes) -> None:
+    t.push(key, index, data)
+    with open(t._blob_path(key, index), "r+b") as f:
         b = f.read(1)
         f.seek(0)
         f.write(bytes([b[0] ^ 0xFF]))

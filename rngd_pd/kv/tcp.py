@@ -12,12 +12,14 @@ zlib's CRC-32, 0 to skip), AIRM_KV_TCP_LOG=1 (log size and SHA-256 per blob), AI
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from rngd_pd.errors import (
@@ -28,6 +30,7 @@ from rngd_pd.errors import (
 )
 from rngd_pd.kv import wire
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes
+from rngd_pd.kv.protocol import ConformanceCase
 
 log = logging.getLogger("rngd_pd.kv.tcp")
 IO_TIMEOUT_S = 60.0  # a relay that stops answering mid-transfer becomes an error, not a hang
@@ -208,7 +211,10 @@ class RelayClient:
         self._pool.give_back(sock)
         if resp.op != wire.ST_OK:
             text = msg.decode("utf-8", "replace") or wire.STATUS_NAMES.get(resp.op, str(resp.op))
-            raise _ERRORS.get(resp.op, TransportError)(f"KV relay: {text}", key=key)
+            kind = _ERRORS.get(resp.op, TransportError)
+            if resp.op == wire.ST_TOO_LARGE:  # our buffer is too small (GET) or the relay's limit (PUT)
+                kind = TransportIntegrityError if frame.op == wire.OP_GET else TransportCapacityError
+            raise kind(f"KV relay: {text}", key=key)
         return resp, body
 
     def put(self, key: str, index: int, data: Any) -> None:
@@ -257,6 +263,12 @@ class RelayClient:
                     _pools.pop((pool.addr, pool.secret), None)
                     pool.close()
 
+    def __enter__(self) -> RelayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class TcpTransport:
     """The `tcp` transport: the Transport protocol over a RelayClient."""
@@ -284,3 +296,39 @@ class TcpTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def conformance_case(cls) -> Iterator[ConformanceCase]:
+        """The relay at $AIRM_KV_TCP_ADDR, or one started on a free loopback port (plus one with a
+        short TTL for the expiry case) and stopped afterwards."""
+        from rngd_pd.kv.relayproc import start_relay
+
+        with contextlib.ExitStack() as stack:
+            addr = os.environ.get("AIRM_KV_TCP_ADDR")
+            ttl_opts = None
+            if not addr:
+                addr = stack.enter_context(start_relay()).addr
+                ttl_addr = stack.enter_context(start_relay("127.0.0.1", 0, "--ttl-s", "0.5")).addr
+                ttl_opts = {"addr": ttl_addr}
+            probe = stack.enter_context(RelayClient(addr))
+            ttl_probe = stack.enter_context(RelayClient(ttl_opts["addr"])) if ttl_opts else None
+
+            def stored_blobs(key: str) -> int:
+                counts = [c.stat(key)["key_blobs"] for c in (probe, ttl_probe) if c is not None]
+                return sum(counts)
+
+            yield ConformanceCase(
+                options={"addr": addr}, env={"AIRM_KV_TCP_ADDR": addr}, ttl_s=0.5, ttl_options=ttl_opts,
+                corrupt=_corrupt_in_transit, stored_blobs=stored_blobs,
+                stored_bytes=lambda: probe.stat()["used_bytes"])
+
+
+def _corrupt_in_transit(t: TcpTransport, key: str, index: int, data: bytes) -> None:
+    """Send `data` with one byte flipped after its checksum was taken (the relay must refuse it)."""
+    c = t.client
+    frame = wire.Frame(wire.OP_PUT, c.alg or wire.ALG_IDS["crc32c"], index=index, size=len(data),
+                       crc=wire.blob_crc(c.alg or wire.ALG_IDS["crc32c"], memoryview(data)))
+    bad = bytearray(data)
+    bad[0] ^= 0xFF
+    c._call(key, frame, memoryview(bad))

@@ -1,0 +1,114 @@
+"""Two ways to reach a model for the orchestrator: BLS inside this tritonserver, tritonclient gRPC outside.
+
+Both satisfy `rngd_pd.triton.orchestrator.ModelClient` and turn an error response back into our own
+exception type (`inputs.remote_error`), so pd's error names the transport whichever way it came.
+
+Triton 2.51 facts this leans on: `exec(decoupled=True)` blocks until the first response arrives (so the
+orchestrator drives decode from its own thread), async BLS is unsupported in decoupled models, and a
+BLS stream cannot be cancelled by its caller.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from rngd_pd import errors
+from rngd_pd.triton import pbutils
+from rngd_pd.triton.inputs import remote_error
+
+STREAM_TIMEOUT_S = 600.0  # no response from a remote decode for this long fails the request
+
+
+class BlsClient:
+    """Models of the same tritonserver, by Business Logic Scripting (use from a request thread)."""
+
+    def _request(self, model: str, inputs: Mapping[str, np.ndarray], outputs: tuple[str, ...]) -> Any:
+        pb = pbutils.pb()
+        tensors = [pb.Tensor(name, array) for name, array in inputs.items()]
+        return pb.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=list(outputs))
+
+    @staticmethod
+    def _outputs(response: Any) -> dict[str, np.ndarray]:
+        if response.has_error():
+            raise remote_error(response.error().message())
+        return {t.name(): t.as_numpy() for t in response.output_tensors()}
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray],
+              outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        return self._outputs(self._request(model, inputs, outputs).exec())
+
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray],
+               outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
+        for response in self._request(model, inputs, outputs).exec(decoupled=True):
+            result = self._outputs(response)
+            if result:  # the empty final response only closes the stream
+                yield result
+
+
+class GrpcClient:
+    """Models of another tritonserver at `url` (host:port of its gRPC endpoint)."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.url = url
+        self._grpc = grpcclient
+        self._client = grpcclient.InferenceServerClient(url)  # unary calls share one channel
+
+    def _inputs(self, inputs: Mapping[str, np.ndarray]) -> list[Any]:
+        out = []
+        for name, array in inputs.items():
+            dtype = "BYTES" if array.dtype == np.object_ else self._grpc.np_to_triton_dtype(array.dtype)
+            tensor = self._grpc.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            out.append(tensor)
+        return out
+
+    def _fail(self, exc: Exception) -> errors.RngdPdError:
+        message = exc.message() if hasattr(exc, "message") else str(exc)
+        err = remote_error(message or str(exc))
+        if type(err) is errors.RngdPdError:
+            err = errors.RngdPdError(f"{self.url}: {message}")
+        return err
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray],
+              outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        wanted = [self._grpc.InferRequestedOutput(name) for name in outputs]
+        try:
+            result = self._client.infer(model, self._inputs(inputs), outputs=wanted)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        return {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
+
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray],
+               outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
+        # one stream per request: a gRPC stream has one callback, and requests end independently
+        client = self._grpc.InferenceServerClient(self.url)
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            client.async_stream_infer(model, self._inputs(inputs), enable_empty_final_response=True,
+                                      outputs=[self._grpc.InferRequestedOutput(n) for n in outputs])
+            while True:
+                try:
+                    result, error = responses.get(timeout=STREAM_TIMEOUT_S)
+                except queue.Empty:
+                    raise errors.RngdPdError(f"{self.url}: {model} sent nothing for "
+                                             f"{STREAM_TIMEOUT_S:.0f} s") from None
+                if error is not None:
+                    raise self._fail(error)
+                values = {n: result.as_numpy(n) for n in outputs if result.as_numpy(n) is not None}
+                if values:
+                    yield values
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+    def close(self) -> None:
+        self._client.close()

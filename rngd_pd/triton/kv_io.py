@@ -1,0 +1,149 @@
+"""Both ends of one request's KV hand-off over a `Transport`: blobs per layer, then the handle.
+
+`KVSender` is prefill's `on_layer` hook: it pushes layer i's K and V the moment they exist (so the
+transfer overlaps layers i+1..) and checksums them; `finish` pushes the sealed `KVHandle` (with the
+first token) last. `KVReceiver` is decode's side: it pulls the blobs in order into buffers it sized
+from the prompt length, then the handle, validates the handle against its own model (fingerprint,
+dtype, geometry) and every blob's size and checksum, and only then hands the KV to the engine.
+
+Every transport failure is re-raised with the transport's name in the message. Debug hook: with
+`RNGD_PD_KV_DEBUG_LOG=<file>` both sides append one JSON line per blob (side, key, index, nbytes,
+crc32c of the bytes that side holds), computed independently, so a test can compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rngd_pd import errors
+from rngd_pd.kv.buffers import as_bytes, checksum
+from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
+
+ENV_DEBUG_LOG = "RNGD_PD_KV_DEBUG_LOG"
+HANDLE_MAX_BYTES = 1 << 20
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_log_lock = threading.Lock()
+
+
+def debug_log(side: str, key: str, index: int, data: Any) -> None:
+    """Append one blob's checksum to $RNGD_PD_KV_DEBUG_LOG (no-op when unset)."""
+    path = os.environ.get(ENV_DEBUG_LOG)
+    if not path:
+        return
+    view = as_bytes(data)
+    line = json.dumps({"side": side, "key": key, "index": index, "nbytes": len(view),
+                       "crc32c": checksum(view, "crc32c")})
+    with _log_lock, open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _named(transport: Any, exc: errors.TransportError, key: str, what: str) -> errors.TransportError:
+    """The same error type, its message prefixed with the transport's name and what we were doing."""
+    name = getattr(transport, "name", type(transport).__name__)
+    message = str(exc).split("] ", 1)[-1] if exc.key else str(exc)
+    return type(exc)(f"KV transport {name!r} failed to {what}: {message}", key=key)
+
+
+class KVSender:
+    """Pushes one request's blobs from prefill's per-layer hook; `finish` pushes the handle last."""
+
+    def __init__(self, transport: Any, key: str, spec: KVSpec) -> None:
+        self.transport, self.key, self.spec = transport, key, spec
+        self.sizes = [0] * (2 * spec.num_layers)
+        self.checksums = [0] * (2 * spec.num_layers)
+        self.push_s = 0.0
+
+    def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
+            self._push(index, tensor.contiguous())
+
+    def _push(self, index: int, data: Any) -> None:
+        view = as_bytes(data)
+        t0 = time.perf_counter()
+        try:
+            self.transport.push(self.key, index, data)
+        except errors.TransportError as exc:
+            raise _named(self.transport, exc, self.key, f"push blob {index}") from exc
+        self.push_s += time.perf_counter() - t0
+        if index < len(self.sizes):
+            self.sizes[index] = len(view)
+            self.checksums[index] = checksum(view, "crc32c")
+        debug_log("prefill", self.key, index, view)
+
+    def finish(self, first_token: int, num_tokens: int) -> KVHandle:
+        """Seal and push the handle (the decode side's signal that every blob is there)."""
+        s = self.spec
+        handle = KVHandle(key=self.key, transport=getattr(self.transport, "name", "?"),
+                          fingerprint=s.fingerprint, num_tokens=num_tokens, num_layers=s.num_layers,
+                          num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, first_token=first_token,
+                          dtype=s.dtype, layout=s.layout, sizes=list(self.sizes),
+                          checksums=list(self.checksums), checksum_algorithm="crc32c")
+        self._push(handle_index(s.num_layers), handle.to_json())
+        return handle
+
+
+class KVReceiver:
+    """Pulls one request's KV on the decode side; cancellable between (and during) blob waits."""
+
+    def __init__(self, transport: Any, spec: KVSpec, timeout_s: float = 60.0, poll_s: float = 0.25) -> None:
+        self.transport, self.spec = transport, spec
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    def receive(self, key: str, prompt_len: int, cancelled: Callable[[], bool] = lambda: False,
+                ) -> tuple[KVHandle, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every layer's (K, V) [kv_heads, prompt_len, head_dim] and the validated handle."""
+        s = self.spec
+        shape = (s.num_kv_heads, prompt_len, s.head_dim)
+        dtype = TORCH_DTYPES[s.dtype]
+        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(s.num_layers)]
+        deadline = time.monotonic() + self.timeout_s
+        expected = kv[0][0].numel() * kv[0][0].element_size()
+        for layer, (k, v) in enumerate(kv):
+            for index, out in ((k_index(layer), k), (v_index(layer), v)):
+                got = self._pull(key, index, out, deadline, cancelled)
+                if got != expected:
+                    raise errors.TransportIntegrityError(
+                        f"KV blob {index} has {got} bytes; a {prompt_len}-token prompt needs {expected} "
+                        f"({s.num_kv_heads} kv heads x {s.head_dim} x {s.dtype})", key=key)
+        raw = bytearray(HANDLE_MAX_BYTES)
+        n = self._pull(key, handle_index(s.num_layers), raw, deadline, cancelled)
+        handle = KVHandle.from_json(memoryview(raw)[:n])
+        self._check(handle, key, prompt_len, kv)
+        return handle, kv
+
+    def _check(self, handle: KVHandle, key: str, prompt_len: int,
+               kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        handle.validate(self.spec)
+        if handle.key != key or handle.num_tokens != prompt_len:
+            raise errors.TransportIntegrityError(
+                f"KV handle is for request {handle.key} with {handle.num_tokens} tokens; expected {key} "
+                f"with {prompt_len}", key=key)
+        for layer, (k, v) in enumerate(kv):
+            for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
+                debug_log("decode", key, index, tensor)
+                handle.verify_blob(index, tensor)
+
+    def _pull(self, key: str, index: int, out: Any, deadline: float, cancelled: Callable[[], bool]) -> int:
+        """Wait for one blob in short slices so a cancel (or prefill's failure) is noticed quickly."""
+        while True:
+            if cancelled():
+                raise errors.RequestCancelled("cancelled while waiting for the KV", key=key)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                name = getattr(self.transport, "name", "?")
+                raise errors.TransportTimeoutError(
+                    f"KV transport {name!r}: blob {index} did not arrive within {self.timeout_s:.0f} s "
+                    "(is prefill running and using the same transport?)", key=key)
+            try:
+                return self.transport.pull(key, index, out, min(self.poll_s, left))
+            except errors.TransportTimeoutError:
+                continue
+            except errors.TransportError as exc:
+                raise _named(self.transport, exc, key, f"pull blob {index}") from exc

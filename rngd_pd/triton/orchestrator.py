@@ -1,0 +1,182 @@
+"""The PD flow of one request, as a plain class a test drives without Triton.
+
+    key -> start decode (key, prompt length, sampling)   ┐ together: decode pulls each layer's KV
+        -> prefill (token ids, key) -> first token       ┘ while prefill still computes the next
+        -> emit the first token at once, then decode's tokens, then the finish reason
+
+`ModelClient` is how a model is reached: by BLS inside the same tritonserver or by tritonclient gRPC
+in another one (`rngd_pd.triton.clients`); this module does not care which. Every failure ends the
+request with the error (its type kept across the hop) after telling decode to drop the key, which
+frees its slot and releases the KV on the transport. Client cancellation reaches decode the same way:
+Triton 2.51 cannot cancel a BLS stream from the caller, so pd sends decode a small cancel request.
+
+Each emitted `Chunk` carries up to `CONTEXT` ids that precede its tokens, so a stateless postprocess
+can detokenize streaming-safely (see `rngd_pd.triton.text_models.text_delta`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from rngd_pd import errors
+from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.triton import tensors as T
+from rngd_pd.triton.inputs import bytes_scalar, new_key, sampling_inputs
+
+log = logging.getLogger(__name__)
+
+CONTEXT = 8  # ids of left context a stateless detokenizer needs (a UTF-8 char spans <= 4 tokens)
+POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel flag
+JOIN_S = 30.0  # the most we wait for decode's stream to end after we gave up on it
+
+
+class ModelClient(Protocol):
+    """Reaches one Triton model. Errors come back as `rngd_pd.errors` types (see inputs.remote_error)."""
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray],
+              outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """One request, one response (blocking)."""
+        ...
+
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray],
+               outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
+        """A decoupled model's responses in order; raises the first error response. May block until
+        the first response (BLS does), so call it from its own thread."""
+        ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response of pd: new token ids, the ids before them, and the finish reason on the last."""
+
+    token_ids: list[int]
+    context_ids: list[int]
+    finish_reason: str = ""
+
+    @property
+    def final(self) -> bool:
+        return bool(self.finish_reason)
+
+
+@dataclass
+class RunStats:
+    """Timings of one request (seconds, monotonic), for metrics and the bench."""
+
+    key: str
+    start: float
+    first_token_at: float = 0.0
+    end: float = 0.0
+    tokens: int = 0
+    finish_reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class ChunkEmitter:
+    """Streams chunks one by one, or (stream=False) collects everything into one final chunk."""
+
+    def __init__(self, stream: bool, emit: Callable[[Chunk], None]) -> None:
+        self.stream, self.emit = stream, emit
+        self.ids: list[int] = []
+
+    def add(self, ids: list[int], reason: str = "") -> None:
+        context = self.ids[-CONTEXT:]
+        self.ids.extend(ids)
+        if self.stream and (ids or reason):
+            self.emit(Chunk(ids, context, reason))
+        elif reason:
+            self.emit(Chunk(list(self.ids), [], reason))
+
+
+class Orchestrator:
+    """Runs requests through prefill and decode models reached by two `ModelClient`s (thread-safe)."""
+
+    def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
+                 decode_model: str = "decode") -> None:
+        self.prefill, self.decode = prefill, decode
+        self.prefill_model, self.decode_model = prefill_model, decode_model
+
+    def run(self, input_ids: list[int], params: SamplingParams, stream: bool,
+            emit: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False) -> RunStats:
+        """Generate for one request, calling `emit` per chunk; raises on failure or cancellation."""
+        if not input_ids:
+            raise errors.ConfigError("the prompt is empty: give at least one token id")
+        params.validate()
+        stats = RunStats(new_key(), time.monotonic())
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+        pump = threading.Thread(target=self._pump, args=(stats.key, len(input_ids), params, responses),
+                                name=f"pd-decode-{stats.key[:8]}", daemon=True)
+        pump.start()
+        out = ChunkEmitter(stream, emit)
+        try:
+            first = self._prefill(stats.key, input_ids, params)
+            stats.first_token_at = time.monotonic()
+            out.add([first])
+            self._follow(stats.key, responses, out, cancelled, stats)
+        except BaseException as exc:
+            self.abort(stats.key)
+            pump.join(JOIN_S)
+            if isinstance(exc, errors.RngdPdError) and exc.key is None:
+                exc.key = stats.key
+            raise
+        stats.end, stats.tokens = time.monotonic(), len(out.ids)
+        return stats
+
+    def _prefill(self, key: str, input_ids: list[int], params: SamplingParams) -> int:
+        inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
+                  T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
+                  **sampling_inputs(params, with_max_tokens=False)}
+        inputs.pop(T.STOP, None)  # prefill samples one token; stop strings are decode's business
+        result = self.prefill.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
+        return int(result[T.FIRST_TOKEN].reshape(-1)[0])
+
+    def _pump(self, key: str, prompt_len: int, params: SamplingParams, responses: queue.SimpleQueue) -> None:
+        """Decode's responses into the queue: ("out", outputs) ..., then ("end", None) or ("err", exc)."""
+        inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
+                  T.PROMPT_LEN: np.array([prompt_len], np.int32), **sampling_inputs(params)}
+        try:
+            for outputs in self.decode.stream(self.decode_model, inputs, (T.OUTPUT_IDS, T.FINISH_REASON)):
+                responses.put(("out", outputs))
+            responses.put(("end", None))
+        except BaseException as exc:  # delivered to the request's thread, which raises it
+            responses.put(("err", exc))
+
+    def _follow(self, key: str, responses: queue.SimpleQueue, out: ChunkEmitter,
+                cancelled: Callable[[], bool], stats: RunStats) -> None:
+        """Forward decode's tokens until its finish reason; check for client cancellation meanwhile."""
+        while True:
+            if cancelled():
+                raise errors.RequestCancelled("the client cancelled the request", key=key)
+            try:
+                kind, value = responses.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if kind == "err":
+                raise value
+            if kind == "end":
+                raise errors.RngdPdError("decode ended its stream without a finish reason", key=key)
+            ids = [int(i) for i in value.get(T.OUTPUT_IDS, np.zeros(0, np.int32)).reshape(-1)]
+            reasons = value.get(T.FINISH_REASON)
+            reason = bytes_scalar(reasons.reshape(-1)[0]) if reasons is not None and reasons.size else ""
+            if reason in ("cancelled", "error"):
+                raise errors.RngdPdError(f"decode ended the request: {reason}", key=key)
+            out.add(ids, reason)
+            if reason:
+                stats.finish_reason = reason
+                return
+
+    def abort(self, key: str) -> None:
+        """Tell decode to drop `key`: frees its slot and releases the KV (idempotent, never raises)."""
+        inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_), T.CANCEL: np.array([True])}
+        try:
+            for _ in self.decode.stream(self.decode_model, inputs, (T.FINISH_REASON,)):
+                pass
+        except Exception as exc:  # the request already failed; this is cleanup
+            log.warning("cancelling decode of request %s failed: %s", key, exc)

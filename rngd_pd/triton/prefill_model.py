@@ -1,0 +1,79 @@
+"""The `prefill` model: token ids + request key -> first token; each layer's KV is pushed through the
+transport as soon as it is computed (`KVSender` as the engine's on_layer hook), the handle last.
+
+`PrefillService` is the logic (a test drives it without Triton); `PrefillModel` adapts it for Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from rngd_pd import errors
+from rngd_pd.kv import load_transport
+from rngd_pd.kv.handle import KVHandle, KVSpec
+from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.triton import inputs, pbutils
+from rngd_pd.triton import tensors as T
+from rngd_pd.triton.kv_io import KVSender
+from rngd_pd.triton.params import kv_torch_dtype
+from rngd_pd.triton.serving import getter
+
+
+class PrefillService:
+    """One prefill engine + one transport; `prefill` is called by one thread at a time per instance."""
+
+    def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
+                 max_len: int | None = None) -> None:
+        from rngd_pd.engine.prefill import PrefillEngine
+
+        self.loaded, self.transport, self.kv_dtype = loaded, transport, kv_dtype
+        self.engine = PrefillEngine(loaded, kv_torch_dtype(kv_dtype), chunk_size or None, max_context=max_len)
+        c = loaded.config
+        self.spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+
+    def prefill(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> tuple[KVHandle, float]:
+        """Prefill, push every blob and the handle; returns (handle, seconds spent pushing)."""
+        self.engine.validate(key, token_ids, params)  # reject before anything is pushed
+        sender = KVSender(self.transport, key, self.spec)
+        result = self.engine.prefill(key, token_ids, params, on_layer=sender.on_layer)
+        return sender.finish(result.first_token, result.num_tokens), sender.push_s
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class PrefillModel:
+    """Triton adapter: one response per request (not decoupled)."""
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.triton.metrics import triton_metrics
+        from rngd_pd.triton.serving import PrefillParams, load_for, model_params
+
+        p = model_params(PrefillParams, args)
+        self.transport_name = p.kv_transport
+        self.service = PrefillService(load_for(p, args), load_transport(p.kv_transport), p.kv_dtype,
+                                      p.chunk_size, p.max_len)
+        self.metrics = triton_metrics(args.get("model_name", "prefill"))
+
+    def execute(self, requests: list) -> list:
+        return [self._one(r) for r in requests]
+
+    def _one(self, request: Any) -> Any:
+        try:
+            get = getter(request)
+            key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
+            if not key:
+                raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
+            # prefill samples one token; decode checks the real max_tokens against the context
+            params = dataclasses.replace(inputs.sampling_params(get, require_max_tokens=False), max_tokens=1)
+            handle, push_s = self.service.prefill(key, inputs.token_ids(get), params)
+        except Exception as exc:
+            return pbutils.error_response(exc)
+        self.metrics.record_kv_transfer(push_s, self.transport_name)
+        return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
+                                                 T.KV_HANDLE: handle.to_json()})
+
+    def finalize(self) -> None:
+        self.service.close()

@@ -1,0 +1,120 @@
+"""`preprocess` (text -> ids) and `postprocess` (ids -> text, streaming-safe), and the one extra tensor
+they need beyond rngd_pd.triton.tensors: `context_ids`.
+
+Why `context_ids`: postprocess runs once per streamed response and keeps no state (several instances,
+no correlation between calls), yet a token alone cannot always be turned into text - a character can
+span tokens (byte-level BPE), and some decoders drop a leading space at the start of a decode. So pd
+(and colocated) send, with each response's ids, the up-to-8 ids generated before them, and
+
+    delta = safe(decode(context + ids)) - safe(decode(context))
+
+where `safe` drops a trailing incomplete character (U+FFFD) except on the final response. The deltas
+telescope: their concatenation equals decode(all generated ids) exactly, never with broken UTF-8.
+The text is the decode of the ids (stop strings are not trimmed here; finish_reason says "stop").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rngd_pd import errors
+from rngd_pd.triton import pbutils
+from rngd_pd.triton import tensors as T
+
+CONTEXT_IDS = "context_ids"
+_CONTEXT_OUT = T.TensorSpec(CONTEXT_IDS, "INT32", (-1,))
+_CONTEXT_IN = T.TensorSpec(CONTEXT_IDS, "INT32", (-1,), optional=True)
+# The specs the repository's configs follow: tensors.py's, plus context_ids where it travels.
+PD_SPEC = dataclasses.replace(T.PD, outputs=(*T.PD.outputs, _CONTEXT_OUT))
+COLOCATED_SPEC = dataclasses.replace(T.COLOCATED, outputs=(*T.COLOCATED.outputs, _CONTEXT_OUT))
+POSTPROCESS_SPEC = dataclasses.replace(T.POSTPROCESS, inputs=(*T.POSTPROCESS.inputs, _CONTEXT_IN))
+SPECS = {s.name: s for s in (PD_SPEC, COLOCATED_SPEC, POSTPROCESS_SPEC)}
+
+
+def spec_for(name: str) -> T.ModelSpec:
+    """The spec a model of the repository follows (tensors.py's unless extended here)."""
+    return SPECS.get(name) or T.model_spec(name)
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The checkpoint's tokenizer without its weights (embedded model when path is None)."""
+    from rngd_pd.model.weights import _open, embedded_model_path
+
+    p = embedded_model_path() if not path else Path(path).expanduser()
+    if not p.exists():
+        raise errors.ModelLoadError(f"{p}: no such file or directory; pass a *.gguf or a checkpoint dir")
+    ckpt = _open(p)
+    return ckpt.tokenizer(ckpt.config())
+
+
+def _safe(text: str) -> str:
+    return text[:-1] if text.endswith("\ufffd") else text
+
+
+def text_delta(tokenizer: Any, context: Sequence[int], ids: Sequence[int], final: bool) -> str:
+    """The text `ids` add after `context` (see the module docstring); flushes on `final`."""
+    before = _safe(tokenizer.decode(list(context))) if context else ""
+    after = tokenizer.decode([*context, *ids])
+    after = after if final else _safe(after)
+    if after.startswith(before):
+        return after[len(before):]
+    common = 0  # a decoder that rewrote the context's tail: emit what differs after the shared prefix
+    while common < min(len(before), len(after)) and before[common] == after[common]:
+        common += 1
+    return after[common:]
+
+
+class PreprocessModel:
+    """Triton adapter: text_input (+ apply_chat_template) -> input_ids."""
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.triton.serving import TextParams, model_params
+
+        self.tokenizer = load_tokenizer(model_params(TextParams, args).model_path)
+
+    def execute(self, requests: list) -> list:
+        return [self._one(r) for r in requests]
+
+    def _one(self, request: Any) -> Any:
+        try:
+            text = pbutils.input_scalar(request, T.TEXT_INPUT)
+            if text is None or text == "":
+                raise errors.ConfigError(f"input {T.TEXT_INPUT!r} is required and must not be empty")
+            if pbutils.input_scalar(request, T.APPLY_CHAT_TEMPLATE, False):
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            ids = self.tokenizer.encode(text)
+            if not ids:
+                raise errors.ConfigError("the prompt encodes to no tokens")
+        except Exception as exc:
+            return pbutils.error_response(exc)
+        return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids})
+
+
+class PostprocessModel:
+    """Triton adapter: output_ids + context_ids + finish_reason -> text_output (and the ids, reason)."""
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.triton.serving import TextParams, model_params
+
+        self.tokenizer = load_tokenizer(model_params(TextParams, args).model_path)
+
+    def execute(self, requests: list) -> list:
+        return [self._one(r) for r in requests]
+
+    def _one(self, request: Any) -> Any:
+        try:
+            ids = _ints(pbutils.input_array(request, T.OUTPUT_IDS))
+            context = _ints(pbutils.input_array(request, CONTEXT_IDS))
+            reason = pbutils.input_scalar(request, T.FINISH_REASON, "") or ""
+            text = text_delta(self.tokenizer, context, ids, final=bool(reason))
+        except Exception as exc:
+            return pbutils.error_response(exc)
+        return pbutils.make_response(POSTPROCESS_SPEC, {T.TEXT_OUTPUT: text, T.OUTPUT_IDS: ids,
+                                                        T.FINISH_REASON: reason})
+
+
+def _ints(array: Any) -> list[int]:
+    return [] if array is None else [int(i) for i in array.reshape(-1)]

@@ -1,0 +1,217 @@
+"""`rngd-pd serve`: run tritonserver on the model repository, plus the OpenAI front end.
+
+Finds tritonserver, prepares the Python backend stub and its environment, picks the model config
+variant from the devices present (`--config-name` overrides; the choice and the reason are printed),
+passes model path / KV transport / KV dtype to the models as environment overrides, binds to
+127.0.0.1 by default, waits until the models are ready, prints the endpoints, and on Ctrl-C or
+SIGTERM stops everything it started (each child runs in its own process group, stubs included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rngd_pd.triton import params
+
+HELP = "serve the model repository with tritonserver (and the OpenAI front end)"
+
+ROLE_MODELS: dict[str, tuple[str, ...] | None] = {
+    "all": None,  # every model in the repository
+    "prefill": ("prefill",),
+    "decode": ("decode",),
+    "gateway": ("llm",),  # the ensemble loads preprocess, pd, postprocess with it
+}
+# (variant, the device kinds it needs); the first whose needs are met and that exists is chosen.
+CONFIG_CHOICES: tuple[tuple[str | None, dict[str, tuple[str, ...]]], ...] = (
+    (None, {"all": ("rngd", "atom"), "prefill": ("rngd",), "decode": ("atom",), "gateway": ()}),
+    ("rngd", {"all": ("rngd",), "prefill": ("rngd",), "decode": ("rngd",), "gateway": ()}),
+    ("cuda", {role: ("cuda",) for role in ROLE_MODELS}),
+    ("cpu", {role: () for role in ROLE_MODELS}),
+)
+
+
+def default_repository() -> Path:
+    """./model_repository when it exists, else the one of the source checkout."""
+    here = Path.cwd() / "model_repository"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint dir (HF Llama) or .gguf; default: the embedded SmolLM2-135M")
+    p.add_argument("--kv-transport",
+                   help="KV transport name (airm.kv_transports); default $AIRM_KV_TRANSPORT or the config's")
+    p.add_argument("--kv-dtype", choices=params.KV_DTYPES, help="KV wire dtype (default: the config's, bf16)")
+    p.add_argument("--config-name",
+                   help="tritonserver --model-config-name (default: chosen from the devices present)")
+    p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port (0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port (0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics port (0 = any free port)")
+    p.add_argument("--openai-port", type=int, default=9000, help="OpenAI front end port (-1 = no front end)")
+    p.add_argument("--repository", type=Path, default=None,
+                   help="model repository (default ./model_repository)")
+    p.add_argument("--role", choices=list(ROLE_MODELS), default="all",
+                   help="all models, or one pod of the split layout: prefill, decode, gateway")
+    p.add_argument("--prefill-url", help="gateway: gRPC host:port of the prefill server")
+    p.add_argument("--decode-url", help="gateway: gRPC host:port of the decode server")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the equivalent tritonserver shell command and exit")
+
+
+def model_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment overrides the models read through rngd_pd.triton.params."""
+    env: dict[str, str] = {}
+    pairs = ((params.ENV_MODEL, args.model), (params.ENV_KV_TRANSPORT, args.kv_transport),
+             (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_PREFILL_URL, args.prefill_url),
+             (params.ENV_DECODE_URL, args.decode_url))
+    for name, value in pairs:
+        if value:
+            env[name] = str(Path(value).resolve()) if name == params.ENV_MODEL else value
+    return env
+
+
+def choose_config_name(repository: Path, role: str, usable: set[str]) -> tuple[str | None, str]:
+    """The --model-config-name for the devices that are usable here, and why."""
+    for variant, needs in CONFIG_CHOICES:
+        need = needs[role]
+        if any(kind not in usable for kind in need):
+            continue
+        if variant is None:
+            return None, f"production binding; {', '.join(need) or 'no device'} needed"
+        if any(repository.glob(f"*/configs/{variant}.pbtxt")):
+            why = f"{', '.join(need)} usable" if need else "no RNGD/ATOM/CUDA device usable here"
+            return variant, why
+    return None, "no configs/<variant>.pbtxt matches the usable devices"
+
+
+def validate(args: argparse.Namespace, repository: Path) -> str | None:
+    """A message for a bad combination of arguments, or None."""
+    if not repository.is_dir():
+        return f"model repository {repository} does not exist; pass --repository DIR"
+    if args.model and not Path(args.model).exists():
+        return f"--model {args.model} does not exist (a checkpoint directory or a .gguf file)"
+    if args.role == "gateway" and not (args.prefill_url and args.decode_url):
+        return "--role gateway needs --prefill-url and --decode-url (gRPC host:port of the other servers)"
+    if args.kv_transport:
+        from rngd_pd.kv.registry import known_names
+
+        if args.kv_transport not in known_names():
+            return f"unknown --kv-transport {args.kv_transport!r}; known: {', '.join(known_names())}"
+    return None
+
+
+def _usable_devices() -> set[str]:
+    from rngd_pd.devices import probe_devices
+
+    return {row.kind for row in probe_devices() if row.available}
+
+
+def _frontend_argv(args: argparse.Namespace, grpc_url: str) -> list[str]:
+    argv = [sys.executable, "-m", "rngd_pd.cli", "frontend", "--triton-url", grpc_url,
+            "--host", args.host, "--port", str(args.openai_port)]
+    return argv + (["--model", args.model] if args.model else [])
+
+
+def _stop_group(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def _start_frontend(args: argparse.Namespace, grpc_url: str) -> subprocess.Popen | None:
+    """The OpenAI front end as a child process (`rngd-pd frontend`), or None when unavailable/disabled."""
+    import importlib.util
+
+    if args.openai_port < 0 or args.role not in ("all", "gateway"):
+        return None
+    if importlib.util.find_spec("rngd_pd.commands.frontend") is None:
+        print("serve: rngd_pd.commands.frontend is not available; no OpenAI front end", flush=True)
+        return None
+    if args.openai_port == 0:
+        from rngd_pd.triton.server import free_port
+
+        args.openai_port = free_port(args.host)
+    return subprocess.Popen(_frontend_argv(args, grpc_url), start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def _wait_for_exit(children: Sequence[subprocess.Popen], stop: threading.Event) -> int:
+    """Block until a signal arrives (0) or a child exits (its code, or 1)."""
+    while not stop.wait(0.2):
+        for child in children:
+            code = child.poll()
+            if code is not None:
+                print(f"serve: {Path(child.args[0]).name} exited with code {code}; stopping", flush=True)
+                return code or 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from rngd_pd.triton.server import SHOWN_ENV, ServerConfig, TritonServer, TritonServerError, shell_command
+
+    repository = (args.repository or default_repository()).resolve()
+    problem = validate(args, repository)
+    if problem:
+        print(f"serve: {problem}", file=sys.stderr)
+        return 2
+    config_name, why = (args.config_name, "from --config-name") if args.config_name else \
+        choose_config_name(repository, args.role, _usable_devices())
+    print(f"serve: model config {config_name or 'config.pbtxt'} ({why})", flush=True,
+          file=sys.stderr if args.print_command else sys.stdout)
+    models = ROLE_MODELS[args.role]
+    extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in models)) if models else ()
+    cfg = ServerConfig(repository, config_name, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                       env=model_env(args), log_verbose=args.log_verbose, extra_args=extra)
+    try:
+        server = TritonServer(cfg)
+    except TritonServerError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
+    if args.print_command:
+        print(shell_command(server.command, server.env, (*SHOWN_ENV, *cfg.env)))
+        return 0
+    return _serve(args, server)
+
+
+def _serve(args: argparse.Namespace, server) -> int:
+    from rngd_pd.triton.server import TritonServerError
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    frontend = None
+    try:
+        t0 = time.monotonic()
+        server.start()
+        try:
+            server.wait_ready(args.ready_timeout)
+        except TritonServerError as exc:
+            print(f"serve: {exc}", file=sys.stderr)
+            return 1
+        print(f"serve: ready in {time.monotonic() - t0:.1f} s", flush=True)
+        print(f"serve: triton http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}",
+              flush=True)
+        frontend = _start_frontend(args, server.grpc_url)
+        if frontend is not None:
+            print(f"serve: openai http://{args.host}:{args.openai_port}/v1", flush=True)
+        return _wait_for_exit([c for c in (server.proc, frontend) if c is not None], stop)
+    finally:
+        _stop_group(frontend)
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print("serve: stopped", flush=True)

@@ -1,0 +1,109 @@
+"""`rngd-pd serve` and `rngd-pd devices` as a user runs them, on a repository with the echo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rngd_pd.commands.serve import choose_config_name
+from tests.test_triton_server import echo_repository
+from tests.triton_harness import require_tritonserver
+
+RNGD_PD = [sys.executable, "-m", "rngd_pd.cli"]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (tritonserver and its stubs name the repository)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = (entry / "stat").read_text().split(") ")[1][0]
+            except (OSError, IndexError):
+                continue
+            if text in cmdline and state != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_config_choice_follows_devices(tmp_path: Path) -> None:
+    (tmp_path / "prefill" / "configs").mkdir(parents=True)
+    (tmp_path / "prefill" / "configs" / "cpu.pbtxt").touch()
+    (tmp_path / "prefill" / "configs" / "rngd.pbtxt").touch()
+    assert choose_config_name(tmp_path, "all", {"cpu"})[0] == "cpu"
+    assert choose_config_name(tmp_path, "all", {"cpu", "rngd"})[0] == "rngd"
+    assert choose_config_name(tmp_path, "all", {"cpu", "rngd", "atom"})[0] is None
+    assert choose_config_name(tmp_path, "decode", {"cpu", "atom"})[0] is None
+    assert choose_config_name(tmp_path, "all", {"cpu", "cuda"})[0] == "cpu"  # no configs/cuda.pbtxt
+
+
+def test_bad_arguments_exit_2_with_reason(tmp_path: Path) -> None:
+    cases = [
+        (["--role", "gateway"], "--role gateway needs --prefill-url and --decode-url"),
+        (["--kv-transport", "pigeon"], "unknown --kv-transport 'pigeon'; known:"),
+        (["--model", str(tmp_path / "nope.gguf")], "nope.gguf does not exist"),
+    ]
+    for extra, needle in cases:
+        proc = subprocess.run([*RNGD_PD, "serve", "--repository", str(tmp_path), *extra],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_print_command_and_devices(tmp_path: Path) -> None:
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--print-command", "--kv-dtype", "fp16"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
+    assert "model config cpu (no RNGD/ATOM/CUDA device usable here)" in out.stderr
+    line = out.stdout.strip()
+    assert "RNGD_PD_KV_DTYPE=fp16" in line and "--model-config-name=cpu" in line
+    assert "--http-address=127.0.0.1" in line and "LD_LIBRARY_PATH=" in line
+    rows = subprocess.run([*RNGD_PD, "devices", "--json", "--repository", str(repo)],
+                          capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    kinds = [json.loads(r) for r in rows]
+    assert kinds[0] == {"kind": "cpu", "available": True, "cards": ["cpu"], "reason": ""}
+    assert kinds[-1]["config_name"] == "cpu"
+
+
+@pytest.mark.e2e
+def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--kv-transport", "tcp", "--openai-port", "-1",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-timeout", "120"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serve: triton http") or proc.poll() is not None:
+                break
+        urls = re.search(r"http (\S+)\s+grpc (\S+)\s+metrics (\S+)", lines[-1])
+        assert urls, "".join(lines)
+        assert any("model config cpu" in ln for ln in lines)
+        body = json.dumps({"input_ids": [9]}).encode()
+        req = urllib.request.Request(f"{urls[1]}/v2/models/echo/generate_stream", body)
+        assert b"length" in urllib.request.urlopen(req, timeout=30).read()
+        metrics = urllib.request.urlopen(urls[3], timeout=10).read().decode()
+        assert 'airm_kv_transfer_ms{kv_transport="tcp",model="echo"}' in metrics  # --kv-transport reached it
+        assert processes_mentioning(str(repo))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "serve: stopped" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 5
+    while processes_mentioning(str(repo)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning(str(repo)) == []

@@ -33,6 +33,7 @@ FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
 CANCEL = "cancel"
 APPLY_CHAT_TEMPLATE = "apply_chat_template"
+CONTEXT_IDS = "context_ids"  # pd -> postprocess: the ids before this chunk, for streaming-safe text
 
 _NUMPY: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -74,6 +75,15 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     decoupled: bool = False
     doc: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        # Each name once: an identical repeat (a spec extended twice) collapses, a conflicting one fails.
+        for side in ("inputs", "outputs"):
+            unique: dict[str, TensorSpec] = {}
+            for t in getattr(self, side):
+                if unique.setdefault(t.name, t) != t:
+                    raise ValueError(f"model {self.name!r}: {t.name!r} is defined twice, differently")
+            object.__setattr__(self, side, tuple(unique.values()))
 
     def input(self, name: str) -> TensorSpec:
         return _find(self.name, "input", self.inputs, name)
@@ -130,7 +140,7 @@ LLM = ModelSpec(
 PD = ModelSpec(
     "pd",
     (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS),
-    TOKEN_OUTPUTS,
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1)),
     decoupled=True,
     doc="BLS orchestrator: prefill + decode of one request, streams tokens",
 )
@@ -168,7 +178,7 @@ DECODE = ModelSpec(
 )
 POSTPROCESS = ModelSpec(
     "postprocess",
-    TOKEN_OUTPUTS,
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True)),
     (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS),
     doc="token ids -> text",
 )

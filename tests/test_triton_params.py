@@ -51,6 +51,15 @@ def test_environment_overrides_config() -> None:
     assert empty.kv_transport == "shm"
 
 
+def test_generic_parameter_override() -> None:
+    env = {"RNGD_PD_PARAM_NUM_SLOTS": "3", "RNGD_PD_PARAM_KV_TRANSPORT": "tcp",
+           params.ENV_KV_TRANSPORT: "shm", "RNGD_PD_PARAM_NOT_A_FIELD": "1"}
+    p = params.parse_params(DecodeLike, triton_config(num_slots="8"), env=env)
+    assert p.num_slots == 3 and p.kv_transport == "shm"  # the named override wins over the generic one
+    with pytest.raises(ConfigError, match=r"'num_slots' from \$RNGD_PD_PARAM_NUM_SLOTS is 'x'"):
+        params.parse_params(DecodeLike, triton_config(), env={"RNGD_PD_PARAM_NUM_SLOTS": "x"})
+
+
 @pytest.mark.parametrize(
     ("values", "env", "needle"),
     [

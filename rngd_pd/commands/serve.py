@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all models, or one pod of the split layout: prefill, decode, gateway")
     p.add_argument("--prefill-url", help="gateway: gRPC host:port of the prefill server")
     p.add_argument("--decode-url", help="gateway: gRPC host:port of the decode server")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a model parameter in every model that has it (repeatable), e.g. max_len=512")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--print-command", action="store_true",
@@ -77,6 +79,9 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
     for name, value in pairs:
         if value:
             env[name] = str(Path(value).resolve()) if name == params.ENV_MODEL else value
+    for item in args.param:
+        name, _, value = item.partition("=")
+        env[params.param_env(name.strip())] = value.strip()
     return env
 
 
@@ -100,6 +105,9 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return f"model repository {repository} does not exist; pass --repository DIR"
     if args.model and not Path(args.model).exists():
         return f"--model {args.model} does not exist (a checkpoint directory or a .gguf file)"
+    bad = [p for p in args.param if "=" not in p or not p.partition("=")[0].strip()]
+    if bad:
+        return f"--param takes NAME=VALUE, got {', '.join(bad)}"
     if args.role == "gateway" and not (args.prefill_url and args.decode_url):
         return "--role gateway needs --prefill-url and --decode-url (gRPC host:port of the other servers)"
     if args.kv_transport:

@@ -9,6 +9,8 @@ config.pbtxt stops `initialize` instead of being ignored.
 Environment overrides (set by `rngd-pd serve` and by ai-rm) win over config.pbtxt: `RNGD_PD_MODEL`
 (model path), `AIRM_KV_TRANSPORT` (transport name), `RNGD_PD_KV_DTYPE` (KV wire dtype), and for `pd`
 `RNGD_PD_PREFILL_URL` / `RNGD_PD_DECODE_URL` (remote prefill/decode servers, gRPC host:port).
+Any parameter can also be set with `RNGD_PD_PARAM_<NAME>` (`RNGD_PD_PARAM_MAX_LEN=512`), in every model
+that has it; a named override above wins over it. `rngd-pd serve --param NAME=VALUE` sets these.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ ENV_KV_TRANSPORT = "AIRM_KV_TRANSPORT"
 ENV_KV_DTYPE = "RNGD_PD_KV_DTYPE"
 ENV_PREFILL_URL = "RNGD_PD_PREFILL_URL"  # pd: reach prefill by gRPC in another tritonserver
 ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another tritonserver
+ENV_PARAM_PREFIX = "RNGD_PD_PARAM_"      # RNGD_PD_PARAM_<NAME>: override parameter <name> anywhere
 
 KV_DTYPES = ("bf16", "fp16", "fp32")
 DEVICES = ("cpu", "cuda", "rngd", "atom")
@@ -105,10 +108,10 @@ def parse_params(cls: type[T], model_config: str | Mapping[str, Any], *,
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for name, f in fields.items():
-        env_name = f.metadata.get("env")
         text, source = raw.get(name), "config.pbtxt"
-        if env_name and env.get(env_name, "") != "":
-            text, source = env[env_name], f"${env_name}"
+        for env_name in (param_env(name), f.metadata.get("env")):
+            if env_name and env.get(env_name, "") != "":
+                text, source = env[env_name], f"${env_name}"
         if text is None:
             continue
         values[name] = _convert(text, hints[name], f"{where}parameter {name!r} from {source}")
@@ -121,6 +124,11 @@ def parse_params(cls: type[T], model_config: str | Mapping[str, Any], *,
         return cls(**values)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}{exc}") from exc
+
+
+def param_env(name: str) -> str:
+    """The generic environment override of parameter `name` (`RNGD_PD_PARAM_MAX_LEN`)."""
+    return ENV_PARAM_PREFIX + name.upper()
 
 
 def _convert(text: str, hint: Any, what: str) -> Any:

@@ -67,25 +67,6 @@ def _log_blob(what: str, key: str, index: int, data: Any) -> None:
     log.info("%s %s[%d] %d bytes sha256=%s", what, key, index, len(data), hashlib.sha256(data).hexdigest())
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the KV relay closed the connection")
-        got += k
-
-
-def _send_all(sock: socket.socket, parts: list[Any]) -> None:
-    """sendmsg of several buffers, resumed after partial sends (no concatenation copies)."""
-    views = [memoryview(p) for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
 
 
 class _Pool:
@@ -120,6 +101,7 @@ class _Pool:
             raise TransportError(f"cannot reach the KV relay at {self.addr[0]}:{self.addr[1]} ({e}); "
                                  "is `rngd-pd kv-relay` running there?") from None
         wire.tune_socket(sock)
+        wire.set_io_timeout(sock, IO_TIMEOUT_S)
         try:
             self._handshake(sock)
         except BaseException:
@@ -129,18 +111,18 @@ class _Pool:
 
     def _handshake(self, sock: socket.socket) -> None:
         hdr = bytearray(wire.HEADER.size)
-        _recv_into(sock, memoryview(hdr))
+        wire.recv_exact(sock, memoryview(hdr))
         f = wire.unpack(hdr)
         nonce = bytearray(f.size)
-        _recv_into(sock, memoryview(nonce))
+        wire.recv_exact(sock, memoryview(nonce))
         if not f.flags & wire.FLAG_AUTH_REQUIRED:
             return
         if not self.secret:
             raise TransportError("the KV relay requires a shared secret: "
                                  "set AIRM_KV_TCP_SECRET or pass secret=")
         digest = wire.auth_digest(self.secret, bytes(nonce))
-        _send_all(sock, [wire.Frame(wire.OP_AUTH, size=len(digest)).pack(), digest])
-        _recv_into(sock, memoryview(hdr))
+        wire.send_all(sock, [wire.Frame(wire.OP_AUTH, size=len(digest)).pack(), digest])
+        wire.recv_exact(sock, memoryview(hdr))
         if wire.unpack(hdr).op != wire.ST_OK:
             raise TransportError("the KV relay refused our secret "
                                  "(AIRM_KV_TCP_SECRET differs from the relay's)")
@@ -192,22 +174,25 @@ class RelayClient:
         frame.klen = len(kb)
         sock = self._pool.acquire()
         try:
-            sock.settimeout(IO_TIMEOUT_S + wait_s)
-            _send_all(sock, [frame.pack(), kb] + ([payload] if payload is not None else []))
+            if wait_s:
+                wire.set_io_timeout(sock, IO_TIMEOUT_S + wait_s)
+            wire.send_all(sock, [frame.pack(), kb] + ([payload] if payload is not None else []))
             hdr = bytearray(wire.HEADER.size)
-            _recv_into(sock, memoryview(hdr))
+            wire.recv_exact(sock, memoryview(hdr))
             resp = wire.unpack(hdr)
             msg = bytearray(resp.klen)
-            _recv_into(sock, memoryview(msg))
+            wire.recv_exact(sock, memoryview(msg))
             body: memoryview | bytes = b""
             if resp.op == wire.ST_OK and resp.size:
                 body = out[: resp.size] if out is not None else memoryview(bytearray(resp.size))
-                _recv_into(sock, body)
+                wire.recv_exact(sock, body)
         except (OSError, wire.WireError) as e:
             sock.close()
             kind = TransportTimeoutError if isinstance(e, TimeoutError) else TransportError
             raise kind(f"KV relay {self.addr[0]}:{self.addr[1]} failed during a transfer ({e})",
                        key=key) from None
+        if wait_s:
+            wire.set_io_timeout(sock, IO_TIMEOUT_S)
         self._pool.give_back(sock)
         if resp.op != wire.ST_OK:
             text = msg.decode("utf-8", "replace") or wire.STATUS_NAMES.get(resp.op, str(resp.op))

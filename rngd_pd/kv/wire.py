@@ -94,3 +94,43 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         except OSError:
             pass
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side send/receive timeouts on a *blocking* socket.
+
+    Python's own `settimeout` makes the socket non-blocking and polls, which defeats MSG_WAITALL;
+    SO_RCVTIMEO keeps one blocking recv per blob and still bounds a dead peer.
+    """
+    sock.setblocking(True)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from a blocking socket: usually one MSG_WAITALL syscall for a whole blob."""
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            raise TimeoutError("timed out waiting for the peer") from None
+        if k == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+
+
+def send_all(sock: socket.socket, parts: list) -> None:
+    """sendmsg of several buffers on a blocking socket, resumed after partial sends (no joins)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:  # SO_SNDTIMEO expired
+            raise TimeoutError("timed out sending to the peer") from None
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]

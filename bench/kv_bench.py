@@ -1,0 +1,249 @@
+"""Move one Llama-3.1-8B request's KV between two processes with each transport; compare to the limits.
+
+Geometry: 32 layers x (K, V), 8 kv heads, head_dim 128, bf16: at S=512 64 blobs of 1 MiB (67 MB), at
+S=2048 64 blobs of 4 MiB (268 MB). A pushing child process pushes every blob of `in_flight` requests (one
+thread per request), this process pulls them concurrently into preallocated, pre-faulted buffers; a
+round's time runs from the push command to the last pulled byte, so the transfer overlaps as in serving.
+In the same run it measures the limits: memcpy into a pre-faulted buffer (shm's), a raw loopback
+socket stream between two processes (tcp's), and a bare two-agent NIXL READ (nixl-ucx's, when NIXL is
+importable). Rows: ms per round (`in_flight` requests), GB/s, the limit and the ratio to it.
+
+    python bench/kv_bench.py [--quick] [--json] [--transports shm,tcp,nixl-ucx]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from rngd_pd.kv import load_transport
+from rngd_pd.kv.wire import tune_socket
+
+LAYERS, KV_HEADS, HEAD_DIM, ELEM = 32, 8, 128, 2
+
+
+def blob_bytes(seq: int) -> int:
+    return KV_HEADS * seq * HEAD_DIM * ELEM
+
+
+def progress(msg: str) -> None:
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+def faulted(nbytes: int) -> np.ndarray:
+    a = np.empty(nbytes, np.uint8)
+    a.fill(1)  # touch every page now, as a serving process's reused buffers are
+    return a
+
+
+# ------------------------------------------------------------------------------------------ limits
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    src, dst = faulted(nbytes), faulted(nbytes)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _sock_receiver(port_conn, nbytes: int, reps: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_conn.send(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    tune_socket(conn)
+    buf = memoryview(faulted(nbytes))
+    for _ in range(reps):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(buf[got:])
+        conn.sendall(b"k")
+    conn.close()
+    srv.close()
+
+
+def socket_gbps(nbytes: int, reps: int) -> float:
+    """One TCP connection on loopback, sendall of the whole request into a pre-faulted recv buffer."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_sock_receiver, args=(child, nbytes, reps), daemon=True)
+    p.start()
+    sock = socket.create_connection(("127.0.0.1", parent.recv()))
+    tune_socket(sock)
+    src, ack, times = faulted(nbytes), bytearray(1), []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sock.sendall(src)
+        sock.recv_into(ack)
+        times.append(time.perf_counter() - t0)
+    sock.close()
+    p.join(10)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def nixl_gbps(nbytes: int, blob: int, in_flight: int, reps: int) -> float | None:
+    try:
+        from rngd_pd.kv import ucx
+
+        return ucx.bare_read_gbps(nbytes, blob, in_flight=in_flight, repeats=reps)
+    except Exception as e:  # NIXL missing or broken here: no limit row, said why
+        progress(f"nixl-ucx bare READ unavailable: {e}")
+        return None
+
+
+# -------------------------------------------------------------------------------- pushing process
+def _pusher(conn, name: str, options: dict, blob: int, blobs: int) -> None:
+    t = load_transport(name, **options)
+    src = np.random.default_rng(1).integers(0, 256, blob * blobs, np.uint8).reshape(blobs, blob)
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        threads = [threading.Thread(target=lambda k=k: [t.push(k, i, src[i]) for i in range(blobs)])
+                   for k in msg]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        conn.send("pushed")
+        conn.recv()  # stay up (holding what nixl-ucx must serve) until the puller says so
+    t.close()
+    conn.send("closed")
+
+
+def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int) -> dict:
+    """Time `reps` rounds of `in_flight` requests; median round; byte-exactness checked each round."""
+    blob, blobs = blob_bytes(seq), 2 * LAYERS
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pusher, args=(child, name, options, blob, blobs), daemon=True)
+    proc.start()
+    t = load_transport(name, **options)
+    outs = [faulted(blob * blobs).reshape(blobs, blob) for _ in range(in_flight)]
+    expect = np.random.default_rng(1).integers(0, 256, blob * blobs, np.uint8).reshape(blobs, blob)
+    assert parent.recv() == "ready"
+    times = []
+    try:
+        for rep in range(reps + 1):  # round 0 warms pools and connections, not timed
+            keys = [f"bench-{os.getpid()}-{rep}-{r}" for r in range(in_flight)]
+            t0 = time.perf_counter()
+            parent.send(keys)
+            pulls = [threading.Thread(target=_pull_all, args=(t, k, outs[r], blobs))
+                     for r, k in enumerate(keys)]
+            for th in pulls:
+                th.start()
+            for th in pulls:
+                th.join()
+            dt = time.perf_counter() - t0
+            assert parent.recv() == "pushed"
+            for r, k in enumerate(keys):
+                if not (np.array_equal(outs[r][0], expect[0]) and np.array_equal(outs[r][-1], expect[-1])):
+                    raise SystemExit(f"{name}: bytes differ in request {k}")
+                outs[r][[0, -1]] = 0
+                t.release(k)
+            parent.send("go on")
+            if rep:
+                times.append(dt)
+                progress(f"{name} S={seq} x{in_flight} round {rep}/{reps}: {dt * 1e3:.1f} ms")
+    finally:
+        parent.send(None)
+        with contextlib.suppress(EOFError):
+            parent.recv()
+        proc.join(30)
+        t.close()
+    ms = statistics.median(times) * 1e3
+    nbytes = blob * blobs * in_flight
+    return {"transport": name, "seq": seq, "bytes": nbytes, "in_flight": in_flight, "ms": round(ms, 2),
+            "ms_per_request": round(ms / in_flight, 2), "gbps": round(nbytes / ms / 1e6, 3)}
+
+
+def _pull_all(t, key: str, out: np.ndarray, blobs: int) -> None:
+    for i in range(blobs):
+        t.pull(key, i, out[i], 60.0)
+
+
+# ---------------------------------------------------------------------------------------- driver
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="S=512 only, fewer rounds")
+    p.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
+    p.add_argument("--transports", default="shm,tcp,nixl-ucx")
+    p.add_argument("--reps", type=int, default=None)
+    args = p.parse_args(argv)
+    seqs = (512,) if args.quick else (512, 2048)
+    reps = args.reps or (3 if args.quick else 5)
+    names = [n for n in args.transports.split(",") if n != "nixl-ucx" or _nixl_importable()]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        relay = None
+        if ("tcp" in names or "nixl-ucx" in names) and not os.environ.get("AIRM_KV_TCP_ADDR"):
+            from rngd_pd.kv.relayproc import start_relay
+
+            relay = stack.enter_context(start_relay("127.0.0.1", 0, "--max-mb", "8192")).addr
+        for seq in seqs:
+            rows += bench_seq(seq, names, reps, relay)
+    emit(rows, args.json)
+    return 0
+
+
+def bench_seq(seq: int, names: list[str], reps: int, relay: str | None) -> list[dict]:
+    nbytes = blob_bytes(seq) * 2 * LAYERS
+    progress(f"S={seq}: limits")
+    limits = {"shm": ("memcpy", memcpy_gbps(nbytes, reps)), "tcp": ("socket", socket_gbps(nbytes, reps))}
+    rows = []
+    for name in names:
+        opts = {"addr": relay} if name in ("tcp", "nixl-ucx") and relay else {}
+        for in_flight in (1, 8):
+            row = run_transport(name, opts, seq, in_flight, reps)
+            if name == "nixl-ucx":
+                limits[name] = ("nixl-read", nixl_gbps(nbytes * in_flight, blob_bytes(seq), in_flight, reps))
+            lim_name, lim = limits.get(name, ("?", None))
+            row.update(limit=lim_name, limit_gbps=round(lim, 3) if lim else None,
+                       ratio=round(row["gbps"] / lim, 3) if lim else None)
+            rows.append(row)
+    for lim_name, lim in {v for k, v in limits.items() if k != "nixl-ucx"}:
+        rows.append({"transport": f"limit:{lim_name}", "seq": seq, "bytes": nbytes, "in_flight": 1,
+                     "ms": round(nbytes / lim / 1e6, 2), "ms_per_request": round(nbytes / lim / 1e6, 2),
+                     "gbps": round(lim, 3), "limit": lim_name, "limit_gbps": round(lim, 3), "ratio": 1.0})
+    return rows
+
+
+def _nixl_importable() -> bool:
+    try:
+        import nixl  # noqa: F401
+
+        from rngd_pd.kv import nixl_ucx  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def emit(rows: list[dict], as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    head = f"{'transport':14} {'S':>5} {'in_flight':>9} {'MB':>7} {'ms':>9} {'ms/req':>8} {'GB/s':>7} " \
+           f"{'limit':>10} {'lim GB/s':>8} {'ratio':>6}"
+    print(head)
+    for r in rows:
+        lim = f"{r['limit_gbps']:.2f}" if r.get("limit_gbps") else "-"
+        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
+        print(f"{r['transport']:14} {r['seq']:>5} {r['in_flight']:>9} {r['bytes'] / 1e6:>7.1f} "
+              f"{r['ms']:>9.1f} {r['ms_per_request']:>8.1f} {r['gbps']:>7.2f} {r['limit']:>10} "
+              f"{lim:>8} {ratio:>6}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

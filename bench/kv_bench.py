@@ -110,13 +110,14 @@ def _pusher(conn, name: str, options: dict, blob: int, blobs: int) -> None:
         msg = conn.recv()
         if msg is None:
             break
+        t0 = time.perf_counter()
         threads = [threading.Thread(target=lambda k=k: [t.push(k, i, src[i]) for i in range(blobs)])
                    for k in msg]
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        conn.send("pushed")
+        conn.send(time.perf_counter() - t0)
         conn.recv()  # stay up (holding what nixl-ucx must serve) until the puller says so
     t.close()
     conn.send("closed")
@@ -133,7 +134,7 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
     outs = [faulted(blob * blobs).reshape(blobs, blob) for _ in range(in_flight)]
     expect = np.random.default_rng(1).integers(0, 256, blob * blobs, np.uint8).reshape(blobs, blob)
     assert parent.recv() == "ready"
-    times = []
+    times, push_times = [], []
     try:
         for rep in range(reps + 1):  # round 0 warms pools and connections, not timed
             keys = [f"bench-{os.getpid()}-{rep}-{r}" for r in range(in_flight)]
@@ -146,7 +147,7 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
             for th in pulls:
                 th.join()
             dt = time.perf_counter() - t0
-            assert parent.recv() == "pushed"
+            push_s = parent.recv()
             for r, k in enumerate(keys):
                 if not (np.array_equal(outs[r][0], expect[0]) and np.array_equal(outs[r][-1], expect[-1])):
                     raise SystemExit(f"{name}: bytes differ in request {k}")
@@ -155,6 +156,7 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
             parent.send("go on")
             if rep:
                 times.append(dt)
+                push_times.append(push_s)
                 progress(f"{name} S={seq} x{in_flight} round {rep}/{reps}: {dt * 1e3:.1f} ms")
     finally:
         parent.send(None)
@@ -165,7 +167,8 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
     ms = statistics.median(times) * 1e3
     nbytes = blob * blobs * in_flight
     return {"transport": name, "seq": seq, "bytes": nbytes, "in_flight": in_flight, "ms": round(ms, 2),
-            "ms_per_request": round(ms / in_flight, 2), "gbps": round(nbytes / ms / 1e6, 3)}
+            "ms_per_request": round(ms / in_flight, 2), "gbps": round(nbytes / ms / 1e6, 3),
+            "push_ms": round(statistics.median(push_times) * 1e3, 2)}
 
 
 def _pull_all(t, key: str, out: np.ndarray, blobs: int) -> None:

@@ -76,10 +76,13 @@ def transport_class(name: str) -> Callable[..., Any]:
 def load_transport(name: str | None = None, **options: Any) -> Transport:
     """Build the transport `name` (default: $AIRM_KV_TRANSPORT, else "shm") with `options`.
 
-    A registered object that is already a transport instance is returned as it is.
+    A registered object that is already a transport instance is returned as it is; a copy-only
+    transport (plan/submit/wait) comes wrapped in `FencedTransport`.
     """
     name = name or os.environ.get(ENV_NAME) or DEFAULT
     obj = transport_class(name)
-    if not isinstance(obj, type) and hasattr(obj, "push") and hasattr(obj, "pull"):
-        return obj  # an instance registered directly
-    return obj(**options)
+    if isinstance(obj, type) or not (hasattr(obj, "push") or hasattr(obj, "plan")):
+        obj = obj(**options)
+    from rngd_pd.kv.fenced import FencedTransport, is_copy_only
+
+    return FencedTransport(obj) if is_copy_only(obj) else obj

@@ -1,0 +1,122 @@
+"""Errors in OpenAI's JSON shape {"error": {"message", "type", "param", "code"}} with the right status.
+
+Every failure a client can cause or meet maps to one `APIError`; anything else reaching the handler
+is a bug and becomes a 500 (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rngd_pd.errors import CapacityError, ConfigError, RngdPdError
+from rngd_pd.frontend.schemas import UNSUPPORTED_CODE, ErrorDetail, ErrorResponse
+
+log = logging.getLogger("rngd_pd.frontend")
+
+
+class APIError(RngdPdError):
+    """An error answered to the client as-is: status plus OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class BackendUnavailable(APIError):
+    """Triton is not reachable or the served model is not ready: 503, retry later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, type="service_unavailable", code="backend_unavailable")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_domain_error(exc: RngdPdError) -> APIError:
+    """Map this package's errors (raised while preparing or running a request) to API errors."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ConfigError):
+        return bad_request(str(exc))
+    if isinstance(exc, CapacityError):
+        return APIError(503, f"{exc}; retry later", type="service_unavailable", code="server_busy")
+    return APIError(500, f"internal error: {exc}", type="server_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    param = ".".join(loc) or None
+    if kind == "extra_forbidden":
+        return bad_request(
+            f"Unsupported parameter '{param}': this server does not implement it", param, UNSUPPORTED_CODE
+        )
+    if kind == UNSUPPORTED_CODE:
+        return bad_request(first["msg"], param, UNSUPPORTED_CODE)
+    if kind in ("json_invalid", "model_attributes_type") or not loc:
+        return bad_request(f"The request body is not a valid JSON object: {first.get('msg')}")
+    msg = first["msg"].removeprefix("Value error, ")
+    return bad_request(f"Invalid value for '{param}': {msg}", param, "invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route every exception through the OpenAI error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(RngdPdError)
+    async def _domain(_: Request, exc: RngdPdError) -> JSONResponse:
+        return from_domain_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {
+        "model": ErrorResponse,
+        "description": "Bad parameter value, unsupported parameter or prompt too long",
+    },
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when one is configured)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    429: {"model": ErrorResponse, "description": "More concurrent requests than --max-concurrency"},
+    500: {"model": ErrorResponse, "description": "A bug in the server"},
+    503: {"model": ErrorResponse, "description": "Triton is not reachable or the model is not ready"},
+}

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP app: `create_app(config)` builds it, `run(config)` serves it with uvicorn.
+
+Order of checks for a generation request: API key (401), body (400), model name (404), prompt and
+context length (400), concurrency (429), then Triton (503 when unreachable). A streaming response's
+status is sent with its first token, so everything before that still gets a proper status code.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from rngd_pd import __version__
+from rngd_pd.frontend import handlers
+from rngd_pd.frontend.api_errors import ERROR_RESPONSES, APIError, install_handlers
+from rngd_pd.frontend.backend import Backend, TritonBackend
+from rngd_pd.frontend.config import FrontendConfig
+from rngd_pd.frontend.metrics import CONTENT_TYPE, FrontendMetrics
+from rngd_pd.frontend.prompts import ServedModel
+from rngd_pd.frontend.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+
+log = logging.getLogger("rngd_pd.frontend")
+_bearer = HTTPBearer(auto_error=False, description="Required when the server runs with --api-key")
+_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"}, "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+
+
+class Limiter:
+    """At most `limit` requests generating at once; the next one is refused (429), never queued."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+
+    def acquire(self) -> None:
+        if self.active >= self.limit:
+            raise APIError(
+                429,
+                f"The server is at its limit of {self.limit} concurrent requests "
+                "(--max-concurrency); retry shortly",
+                type="rate_limit_error",
+                code="too_many_concurrent_requests",
+            )
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"})
+
+
+class _StatusCounter:
+    """ASGI middleware counting answers by endpoint and status (unknown paths as "other")."""
+
+    def __init__(self, app: Any, metrics: FrontendMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class FrontendState:
+    """What the request handlers share; one per app."""
+
+    def __init__(self, config: FrontendConfig, model: ServedModel, backend: Backend) -> None:
+        self.config, self.model, self.backend = config, model, backend
+        self.api_key = config.resolved_api_key()
+        self.limiter = Limiter(config.max_concurrency)
+        self.metrics = FrontendMetrics()
+        self.created = int(time.time())
+
+
+def _state(request: Request) -> FrontendState:
+    return request.app.state.frontend
+
+
+async def _authorize(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    key = _state(request).api_key
+    if key is None:
+        return
+    if creds is None:
+        raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not hmac.compare_digest(creds.credentials.encode(), key.encode()):
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+def create_app(
+    config: FrontendConfig, *, model: ServedModel | None = None, backend: Backend | None = None
+) -> FastAPI:
+    """The ASGI app. `model` (tokenizer + limits) and `backend` default to the real ones from `config`."""
+    config.validate()
+    if model is None:
+        from rngd_pd.frontend.served_model import load_served_model
+
+        model = load_served_model(config)
+    state = FrontendState(config, model, backend or TritonBackend(config.triton_url, config.triton_model))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await state.backend.close()
+
+    app = FastAPI(
+        title="rngd-pd OpenAI-compatible API",
+        version=__version__,
+        lifespan=lifespan,
+        description="Completions and chat completions over Triton Inference Server.",
+    )
+    app.state.frontend = state
+    app.add_middleware(_StatusCounter, metrics=state.metrics)
+    install_handlers(app)
+    _add_routes(app)
+    _tidy_openapi(app)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    gen_responses: dict[int | str, dict[str, Any]] = {**ERROR_RESPONSES, 200: {"content": _SSE_DOC}}
+    auth = [Depends(_authorize)]
+
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, responses=gen_responses, dependencies=auth
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        """Text completion; `stream: true` answers with server-sent events ending in `data: [DONE]`."""
+        return await handlers.completion(_state(request), body, request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=gen_responses,
+        dependencies=auth,
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        """Chat completion with the model's chat template; streaming like /v1/completions."""
+        return await handlers.chat(_state(request), body, request)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]}, dependencies=auth)
+    async def models(request: Request) -> ModelList:
+        s = _state(request)
+        card = ModelCard(id=s.model.name, created=s.created, max_model_len=s.model.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health(request: Request) -> Any:
+        """200 only when Triton and the served model are ready."""
+        reason = await _state(request).backend.ready()
+        if reason is None:
+            return HealthResponse(status="ok")
+        return JSONResponse(HealthResponse(status="unavailable", detail=reason).model_dump(), status_code=503)
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    async def metrics(request: Request) -> Response:
+        """The front end's own Prometheus metrics."""
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _tidy_openapi(app: FastAPI) -> None:
+    """Drop FastAPI's default 422 entries: validation errors are answered as OpenAI-style 400s."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def run(config: FrontendConfig) -> None:
+    """Serve until interrupted (blocking). `rngd-pd serve` calls this in-process or via `rngd-pd frontend`."""
+    import uvicorn
+
+    app = create_app(config)
+    log.warning(
+        "OpenAI front end on http://%s:%d/v1 -> Triton %s model '%s'",
+        config.host,
+        config.port,
+        config.triton_url,
+        config.triton_model,
+    )
+    uvicorn.run(
+        app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5
+    )

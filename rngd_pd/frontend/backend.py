@@ -1,0 +1,272 @@
+"""The layer below the HTTP app: token ids in, streamed token ids out, over Triton's gRPC stream.
+
+`Backend` is what the app needs; `TritonBackend` implements it with one grpc.aio channel and one
+bidirectional `ModelStreamInfer` call per request (the protobufs are built here directly, so the
+empty final response can be requested and no per-token helper objects are made). Closing the
+generator before the final response (client gone, stop string matched) cancels the gRPC call, which
+Triton turns into a cancelled request that the decode engine drops from its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
+from rngd_pd.model.sampling import SamplingParams
+
+_NP = {
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BOOL": np.bool_,
+}
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+META_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """One streamed response: its new tokens, and the finish reason on the last one."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "length" | "stop" | "eos" on the final chunk
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+class Backend(Protocol):
+    """What the HTTP app calls. Implementations are used from one event loop."""
+
+    async def ready(self) -> str | None:
+        """None when requests can be served, else why not (for /health's 503)."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Stream the request's tokens; the last chunk has finish_reason set.
+
+        Raises APIError (BackendUnavailable when Triton cannot be reached). Closing the iterator
+        early (aclose, or cancelling the task awaiting it) cancels the request on the server.
+        """
+
+    async def close(self) -> None:
+        """Release connections; idempotent."""
+
+
+@dataclass(frozen=True)
+class _ModelInfo:
+    inputs: dict[str, str]  # name -> Triton datatype
+    batched: bool  # max_batch_size > 0: every tensor gets a leading batch dimension of 1
+
+
+class TritonBackend:
+    """Backend over Triton's gRPC endpoint (`url` is HOST:PORT) for a decoupled `pd`-style model."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
+        self._info: _ModelInfo | None = None
+
+    def _get_stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        if self._stub is None:  # created lazily: a grpc.aio channel belongs to the running loop
+            opts = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30)]
+            self._channel = grpc.aio.insecure_channel(self.url, options=opts)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+
+    async def ready(self) -> str | None:
+        stub = self._get_stub()
+        try:
+            if not (await stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=2)).ready:
+                return f"Triton at {self.url} is not ready"
+            req = service_pb2.ModelReadyRequest(name=self.model)
+            if not (await stub.ModelReady(req, timeout=2)).ready:
+                return f"Triton model '{self.model}' is not ready"
+            await self._model_info()
+        except grpc.aio.AioRpcError as exc:
+            return f"Triton at {self.url} is not reachable ({exc.code().name}: {exc.details()})"
+        except APIError as exc:
+            return exc.message
+        return None
+
+    async def _model_info(self) -> _ModelInfo:
+        if self._info is None:
+            stub = self._get_stub()
+            meta = await stub.ModelMetadata(
+                service_pb2.ModelMetadataRequest(name=self.model), timeout=META_TIMEOUT_S
+            )
+            cfg = await stub.ModelConfig(
+                service_pb2.ModelConfigRequest(name=self.model), timeout=META_TIMEOUT_S
+            )
+            inputs = {t.name: t.datatype for t in meta.inputs}
+            for name in ("input_ids", "max_tokens"):
+                if name not in inputs:
+                    raise APIError(
+                        502,
+                        f"Triton model '{self.model}' has no input '{name}': is it a pd-style "
+                        "model? (use --triton-model pd or colocated)",
+                        type="server_error",
+                    )
+            self._info = _ModelInfo(inputs, cfg.config.max_batch_size > 0)
+        return self._info
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        try:
+            info = await self._model_info()
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self) from None
+        request = _build_request(self.model, req, info)
+        call = self._get_stub().ModelStreamInfer(_once(request))
+        done = False
+        try:
+            async for resp in call:
+                if resp.error_message:
+                    done = True
+                    raise _model_error(resp.error_message, self.model)
+                chunk, final = _parse(resp.infer_response)
+                if chunk.token_ids or chunk.finish_reason:
+                    yield chunk
+                if chunk.finish_reason or final:
+                    done = True
+                    if not chunk.finish_reason:
+                        raise APIError(
+                            502,
+                            f"Triton model '{self.model}' ended the stream without a finish_reason",
+                            type="server_error",
+                            code="backend_error",
+                        )
+                    return
+            done = True
+            raise APIError(
+                502,
+                "Triton closed the stream before the final response",
+                type="server_error",
+                code="backend_error",
+            )
+        except grpc.aio.AioRpcError as exc:
+            done = True
+            raise _rpc_error(exc, self) from None
+        finally:
+            if not done:
+                call.cancel()
+
+
+async def _once(request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
+    yield request
+
+
+def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> service_pb2.ModelInferRequest:
+    p = req.params
+    values: dict[str, object] = {
+        "input_ids": req.input_ids,
+        "max_tokens": [p.max_tokens],
+        "stream": [True],
+        "temperature": [p.temperature],
+        "top_p": [p.top_p],
+        "top_k": [p.top_k],
+    }
+    if p.seed is not None:
+        values["seed"] = [p.seed]
+    if p.stop:
+        values["stop"] = list(p.stop)
+    if p.ignore_eos:
+        if "ignore_eos" not in info.inputs:
+            raise bad_request(
+                f"'ignore_eos' is not supported by Triton model '{model}'",
+                "ignore_eos",
+                "unsupported_parameter",
+            )
+        values["ignore_eos"] = [True]
+    out = service_pb2.ModelInferRequest(model_name=model, id=req.request_id)
+    out.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in values.items():
+        dtype = info.inputs.get(name)
+        if dtype is None:
+            continue  # an optional sampling input the model does not declare keeps its default
+        seq = list(value)  # type: ignore[call-overload]
+        tensor = out.inputs.add(name=name, datatype=dtype)
+        tensor.shape.extend(([1] if info.batched else []) + [len(seq)])
+        out.raw_input_contents.append(_pack(dtype, seq))
+    return out
+
+
+def _pack(dtype: str, seq: list) -> bytes:
+    if dtype == "BYTES":
+        parts = [s.encode() if isinstance(s, str) else bytes(s) for s in seq]
+        return b"".join(struct.pack("<I", len(b)) + b for b in parts)
+    if dtype not in _NP:
+        raise APIError(502, f"unsupported Triton input datatype {dtype}", type="server_error")
+    return np.asarray(seq, dtype=_NP[dtype]).tobytes()
+
+
+def _parse(resp: service_pb2.ModelInferResponse) -> tuple[TokenChunk, bool]:
+    ids: tuple[int, ...] = ()
+    reason = None
+    for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
+        if out.name == "output_ids":
+            ids = tuple(np.frombuffer(raw, dtype=_NP.get(out.datatype, np.int32)).tolist())
+        elif out.name == "finish_reason" and len(raw) > 4:
+            (n,) = struct.unpack_from("<I", raw)
+            reason = raw[4 : 4 + n].decode() or None
+    final = (
+        resp.parameters["triton_final_response"].bool_param
+        if "triton_final_response" in resp.parameters
+        else False
+    )
+    return TokenChunk(ids, reason), final
+
+
+def _model_error(message: str, model: str) -> APIError:
+    """An error response from the model: the request's fault (400), busy (503) or the server's (502)."""
+    if "ContextLengthError" in message or "ConfigError" in message:
+        return bad_request(message)
+    if "CapacityError" in message:
+        return APIError(503, f"{message}; retry later", type="service_unavailable", code="server_busy")
+    return APIError(
+        502, f"Triton model '{model}' failed: {message}", type="server_error", code="backend_error"
+    )
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, backend: TritonBackend) -> APIError:
+    backend._info = None  # re-read the model's metadata once Triton is back
+    if exc.code() in _UNREACHABLE:
+        return BackendUnavailable(
+            f"Triton at {backend.url} is not reachable ({exc.code().name}); retry later"
+        )
+    details = exc.details() or ""
+    if "unknown model" in details or "not ready" in details or exc.code() == grpc.StatusCode.NOT_FOUND:
+        return BackendUnavailable(f"Triton model '{backend.model}' is not available: {details}")
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        return APIError(503, f"Triton cancelled the request: {details}", type="service_unavailable")
+    return APIError(
+        502, f"Triton gRPC error {exc.code().name}: {details}", type="server_error", code="backend_error"
+    )
+
+
+async def wait_ready(backend: Backend, timeout: float) -> str | None:
+    """Poll `ready()` until it says yes or `timeout` passes; returns the last reason (None = ready)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    reason = await backend.ready()
+    while reason is not None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+        reason = await backend.ready()
+    return reason

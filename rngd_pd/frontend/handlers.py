@@ -1,0 +1,265 @@
+"""Request handling shared by /v1/completions and /v1/chat/completions.
+
+Each endpoint only turns its body into prompt token ids and says how its chunks look (`Frames`);
+admission, streaming, cancellation, usage and metrics are the same code for both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rngd_pd.frontend.api_errors import APIError
+from rngd_pd.frontend.backend import GenerateRequest
+from rngd_pd.frontend.generation import TextGeneration
+from rngd_pd.frontend.prompts import chat_prompt, completion_prompt, resolve_max_tokens
+from rngd_pd.frontend.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    _GenerationRequest,
+)
+from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
+from rngd_pd.model.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rngd_pd.frontend.app import FrontendState
+
+CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody receives it
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Frames:
+    """How one endpoint's stream chunks look; subclasses fill in the payloads."""
+
+    def __init__(self, rid: str, model: str) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def delta(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def final(self, reason: str) -> bytes:
+        raise NotImplementedError
+
+    def usage(self, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+
+class CompletionFrames(Frames):
+    def __init__(self, rid: str, model: str, echo: str | None) -> None:
+        super().__init__(rid, model)
+        self.echo = echo
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+        return sse(
+            CompletionResponse(
+                id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+            )
+        )
+
+    def start(self) -> list[bytes]:
+        return [self.delta(self.echo)] if self.echo else []
+
+    def delta(self, text: str) -> bytes:
+        return self._chunk([CompletionChoice(text=text, finish_reason=None)])
+
+    def final(self, reason: str) -> bytes:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])  # type: ignore[arg-type]
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], usage)
+
+
+class ChatFrames(Frames):
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse(
+            ChatCompletionChunk(
+                id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+            )
+        )
+
+    def start(self) -> list[bytes]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def delta(self, text: str) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+
+    def final(self, reason: str) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])  # type: ignore[arg-type]
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], usage)
+
+
+def _check_model(state: FrontendState, name: str) -> None:
+    if name != state.model.name:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model.name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _sampling(body: _GenerationRequest, max_tokens: int) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        stop=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
+    )
+    params.validate()
+    return params
+
+
+def _usage(gen: TextGeneration) -> Usage:
+    return Usage(
+        prompt_tokens=gen.prompt_tokens,
+        completion_tokens=gen.completion_tokens,
+        total_tokens=gen.prompt_tokens + gen.completion_tokens,
+    )
+
+
+async def completion(state: FrontendState, body: CompletionRequest, request: Request) -> Any:
+    _check_model(state, body.model)
+    ids = completion_prompt(state.model, body.prompt)
+    max_tokens = resolve_max_tokens(
+        state.model, len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt"
+    )
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    gen = TextGeneration(
+        state.backend, state.model.tokenizer, GenerateRequest(rid, ids, _sampling(body, max_tokens))
+    )
+    echo = None
+    if body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else state.model.tokenizer.decode(ids)
+    if body.stream:
+        return await _stream(
+            state, request, gen, CompletionFrames(rid, body.model, echo), body.include_usage()
+        )
+    text = await _collect(state, request, gen)
+    if text is None:
+        return Response(status_code=CLIENT_CLOSED)
+    choice = CompletionChoice(text=(echo or "") + text, finish_reason=gen.finish_reason)  # type: ignore[arg-type]
+    return CompletionResponse(
+        id=rid, created=int(time.time()), model=body.model, choices=[choice], usage=_usage(gen)
+    )
+
+
+async def chat(state: FrontendState, body: ChatCompletionRequest, request: Request) -> Any:
+    _check_model(state, body.model)
+    ids = chat_prompt(state.model, body.messages)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = resolve_max_tokens(state.model, len(ids), requested, None, "messages")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = TextGeneration(
+        state.backend, state.model.tokenizer, GenerateRequest(rid, ids, _sampling(body, max_tokens))
+    )
+    if body.stream:
+        return await _stream(state, request, gen, ChatFrames(rid, body.model), body.include_usage())
+    text = await _collect(state, request, gen)
+    if text is None:
+        return Response(status_code=CLIENT_CLOSED)
+    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)  # type: ignore[arg-type]
+    return ChatCompletionResponse(
+        id=rid, created=int(time.time()), model=body.model, choices=[choice], usage=_usage(gen)
+    )
+
+
+def _admit(state: FrontendState) -> None:
+    state.limiter.acquire()
+    state.metrics.in_flight.inc()
+
+
+def _retire(state: FrontendState, gen: TextGeneration, client_gone: bool) -> None:
+    """Free the concurrency slot and record how the request ended."""
+    state.limiter.release()
+    state.metrics.in_flight.dec()
+    if gen.finish_reason is not None:
+        state.metrics.finished(
+            gen.prompt_tokens,
+            gen.completion_tokens,
+            gen.timing.ttft(),
+            gen.timing.tpot(gen.completion_tokens),
+            time.perf_counter() - gen.timing.start,
+        )
+    elif client_gone:
+        state.metrics.cancelled.inc()
+
+
+async def _collect(state: FrontendState, request: Request, gen: TextGeneration) -> str | None:
+    """Whole text of a non-streaming request; None when the client went away (request cancelled)."""
+    _admit(state)
+    gone = False
+    try:
+        return await until_disconnect(request, gen.collect())
+    except ClientGone:
+        gone = True
+        return None
+    finally:
+        _retire(state, gen, gone)
+
+
+async def _first(it: AsyncIterator[str]) -> str | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _stream(
+    state: FrontendState, request: Request, gen: TextGeneration, frames: Frames, include_usage: bool
+) -> Response:
+    """Wait for the first token (errors before it keep their status), then stream SSE."""
+    _admit(state)
+    it = gen.text()
+    try:
+        first = await until_disconnect(request, _first(it))
+    except BaseException as exc:
+        await it.aclose()
+        _retire(state, gen, isinstance(exc, ClientGone))
+        if isinstance(exc, ClientGone):
+            return Response(status_code=CLIENT_CLOSED)
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        for frame in frames.start():
+            yield frame
+        try:
+            if first:
+                yield frames.delta(first)
+            async for text in it:
+                yield frames.delta(text)
+        except APIError as exc:  # after the 200 went out, an error can only be an event
+            yield sse(exc.body())
+            yield DONE
+            return
+        yield frames.final(gen.finish_reason or "stop")
+        if include_usage:
+            yield frames.usage(_usage(gen))
+        yield DONE
+
+    async def on_close(completed: bool) -> None:
+        await it.aclose()
+        _retire(state, gen, not completed)
+
+    return SSEResponse(events(), on_close)

@@ -1,0 +1,251 @@
+"""OpenAI request and response bodies as pydantic models: they validate requests and make the
+OpenAPI schema honest (schemathesis checks every response against it).
+
+Parameters the server does not implement are declared with their neutral value only (`n` = 1,
+`logprobs` null, penalties 0, ...): any other value is a 400 that names the parameter, and unknown
+parameters are refused too (`extra="forbid"`), so nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+UNSUPPORTED_CODE = "unsupported_parameter"
+MAX_STOP_STRINGS = 16
+
+# parameter -> the only values accepted (what clients send when they do not use the feature)
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def _refuse_unsupported(value: Any, name: str) -> Any:
+    allowed = _NEUTRAL[name]
+    if not any(
+        value is ok or (value == ok and isinstance(value, bool) == isinstance(ok, bool)) for ok in allowed
+    ):
+        raise PydanticCustomError(
+            UNSUPPORTED_CODE,
+            "'{param}' = {value} is not supported by this server (only {allowed} is accepted)",
+            {"param": name, "value": repr(value)[:40], "allowed": " or ".join(map(repr, allowed))},
+        )
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send a last chunk with the usage of the request.")
+
+
+class _GenerationRequest(_Strict):
+    """Fields common to completions and chat completions."""
+
+    model: str = Field(description="The served model name (see GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(
+        None, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = off."
+    )
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    n: int = 1
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    @field_validator("n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _neutral_only(cls, value: Any, info: Any) -> Any:
+        return _refuse_unsupported(value, info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A string or a list of token ids (a batch of one such prompt is accepted too)."
+    )
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of", "suffix")
+    @classmethod
+    def _neutral_only_completion(cls, value: Any, info: Any) -> Any:
+        return _refuse_unsupported(value, info.field_name)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator(
+        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format"
+    )
+    @classmethod
+    def _neutral_only_chat(cls, value: Any, info: Any) -> Any:
+        return _refuse_unsupported(value, info.field_name)
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rngd-pd"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unavailable"]
+    detail: str = ""

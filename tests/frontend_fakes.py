@@ -1,0 +1,103 @@
+"""The front end's test doubles, kept once: a scripted generation backend (the layer below the HTTP
+app) and a uvicorn server in a thread. The e2e tests use the real Triton backend instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+
+from rngd_pd.frontend.backend import GenerateRequest, TokenChunk
+
+SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Naïve café ünïcödé 🙂 END of script. "
+
+
+class FakeBackend:
+    """Streams the tokens of SCRIPT (cycled), one per chunk, `delay` seconds apart.
+
+    Records which requests started, finished and were cancelled (closed before their final chunk),
+    so tests can check that a client going away reaches the layer below.
+    """
+
+    def __init__(
+        self, tokenizer, delay: float = 0.0, script: str = SCRIPT, eos_at: int | None = None
+    ) -> None:
+        self.ids = tokenizer.encode(script)
+        self.eos = tokenizer.eos_token_ids[0]
+        self.delay, self.eos_at = delay, eos_at
+        self.started: list[str] = []
+        self.finished: list[str] = []
+        self.cancelled: list[str] = []
+        self.requests: list[GenerateRequest] = []
+        self.ready_reason: str | None = None
+
+    def tokens(self, n: int) -> list[int]:
+        """The first n tokens this backend generates (ignoring EOS)."""
+        return [self.ids[i % len(self.ids)] for i in range(n)]
+
+    async def ready(self) -> str | None:
+        return self.ready_reason
+
+    async def close(self) -> None:
+        pass
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        self.started.append(req.request_id)
+        self.requests.append(req)
+        done = False
+        try:
+            n = req.params.max_tokens
+            for i, tid in enumerate(self.tokens(n)):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                if self.eos_at is not None and i == self.eos_at:
+                    done = True
+                    yield TokenChunk((self.eos,), "eos")
+                    return
+                last = i == n - 1
+                done = last
+                yield TokenChunk((tid,), "length" if last else None)
+        finally:
+            (self.finished if done else self.cancelled).append(req.request_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(app, port: int | None = None) -> Iterator[str]:
+    """Run `app` under uvicorn on 127.0.0.1 in a thread; yields its base URL; stops it on exit."""
+    port = port or free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on port {port}")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `predicate` until true; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

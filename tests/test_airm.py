@@ -16,7 +16,7 @@ import pytest
 from rngd_pd import airm
 from rngd_pd.errors import ConfigError
 from rngd_pd.triton.server import free_port
-from tests.test_triton_serve import processes_mentioning
+from tests.test_triton_serve import processes_mentioning, stop_and_reap
 from tests.test_triton_server import echo_repository
 from tests.triton_harness import require_tritonserver
 
@@ -90,10 +90,9 @@ def test_run_starts_serve_and_sigterm_stops_it(tmp_path: Path) -> None:
         assert proc.poll() is None, "rngd-pd serve exited early"
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
+        deadline = time.monotonic() + 5
+        while processes_mentioning(str(repo)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_mentioning(str(repo)) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while processes_mentioning(str(repo)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_mentioning(str(repo)) == []
+        stop_and_reap(proc, repo)

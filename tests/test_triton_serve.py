@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,22 @@ def processes_mentioning(text: str) -> list[int]:
             if text in cmdline and state != "Z":
                 pids.append(int(entry.name))
     return pids
+
+
+def stop_and_reap(proc: subprocess.Popen, repo: Path) -> None:
+    """Stop a serve process we started; kill whatever of ours survives it (a test failing midway)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    deadline = time.monotonic() + 5
+    while processes_mentioning(str(repo)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in processes_mentioning(str(repo)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_config_choice_follows_devices(tmp_path: Path) -> None:
@@ -100,10 +117,31 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "serve: stopped" in proc.stdout.read()
+        deadline = time.monotonic() + 5
+        while processes_mentioning(str(repo)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_mentioning(str(repo)) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    deadline = time.monotonic() + 5
-    while processes_mentioning(str(repo)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_mentioning(str(repo)) == []
+        stop_and_reap(proc, repo)
+
+
+@pytest.mark.e2e
+def test_server_dies_with_a_killed_serve(tmp_path: Path) -> None:
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("serve: triton http"):
+                break
+        assert processes_mentioning(str(repo))
+        proc.kill()  # no chance to clean up: tritonserver gets SIGTERM through PR_SET_PDEATHSIG
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while processes_mentioning(str(repo)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_mentioning(str(repo)) == []
+    finally:
+        stop_and_reap(proc, repo)

@@ -224,6 +224,7 @@ def shell_command(cmd: Sequence[str], env: Mapping[str, str], keys: Sequence[str
 
 
 SHOWN_ENV = ("LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "VIRTUAL_ENV")
+_NOISE = ("CudaDriverHelper", "CUDA driver version is insufficient")  # harmless on CPU-only hosts
 
 
 class TritonServer:
@@ -272,7 +273,8 @@ class TritonServer:
         elif self._log is not None:
             out = self._log
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         return self
 
     def log_tail(self, lines: int = 12) -> str:
@@ -280,7 +282,7 @@ class TritonServer:
         if not isinstance(self._log, Path) or not self._log.exists():
             return ""
         text = self._log.read_text(errors="replace").splitlines()
-        errors = [ln for ln in text if ln.startswith("E") and "CudaDriverHelper" not in ln]
+        errors = [ln for ln in text if ln.startswith("E") and not any(n in ln for n in _NOISE)]
         return "\n".join(dict.fromkeys(errors[-20:] + text[-lines:]))
 
     def _fail(self, what: str) -> TritonServerError:
@@ -335,6 +337,14 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -1,0 +1,161 @@
+"""shm transport specifics: permissions, key names, visibility, capacity, slot reuse, sweeping."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from rngd_pd.errors import TransportCapacityError, TransportIntegrityError, TransportTimeoutError
+from rngd_pd.kv import shm
+from rngd_pd.kv.shm import ShmTransport, linked_bytes, safe_name
+
+
+@pytest.fixture
+def root(tmp_path):
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(base, f"rngd_kv_test_{os.getpid()}_{time.monotonic_ns()}")
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_dirs_0700_files_0600(root):
+    with ShmTransport(root=root) as t:
+        t.push("req-1", 0, b"abc")
+        blob = os.path.join(root, "keys", "req-1", "0")
+        assert mode(root) == mode(os.path.join(root, "keys", "req-1")) == 0o700
+        assert mode(blob) == 0o600
+        assert all(mode(os.path.join(p, f)) == 0o600 for p, _, fs in os.walk(os.path.join(root, "pool"))
+                   for f in fs)
+
+
+def test_env_root(monkeypatch, root):
+    monkeypatch.setenv("PD_SHM_ROOT", root)
+    with ShmTransport() as t:
+        assert t.root == root
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "/abs", "a/b", ".hidden", "..", "", "x" * 300,
+                                 "é-unicode", "nul\0byte"])
+def test_keys_never_escape_the_root(root, key):
+    name = safe_name(key)
+    assert "/" not in name and not name.startswith(".") and 0 < len(name) <= 128
+    with ShmTransport(root=root) as t:
+        t.push(key, 3, b"payload")
+        out = bytearray(7)
+        assert t.pull(key, 3, out, 1.0) == 7 and out == b"payload"
+        assert os.listdir(os.path.join(root, "keys")) == [name]
+        t.release(key)
+        assert os.listdir(os.path.join(root, "keys")) == []
+
+
+def test_plain_keys_keep_their_name_and_distinct_keys_differ():
+    assert safe_name("req-12_a.b") == "req-12_a.b"
+    assert safe_name("a/b") != safe_name("a_b") and safe_name("a/b") != safe_name("a\\b")
+
+
+def test_blob_published_only_by_atomic_rename(root, monkeypatch):
+    seen = []
+    real_rename = os.rename
+
+    def spy(src, dst):
+        seen.append((os.path.basename(src), sorted(os.listdir(os.path.dirname(dst)))))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(shm.os, "rename", spy)
+    with ShmTransport(root=root) as t:
+        t.push("k", 5, np.arange(1000, dtype=np.uint8))
+    tmp, listing = seen[0]
+    assert tmp.startswith(".5.") and listing == [tmp]  # before the rename only the hidden temp name exists
+
+
+def test_enospc_is_a_capacity_error_leaving_nothing(root, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with ShmTransport(root=root) as t:
+        monkeypatch.setattr(shm.os, "posix_fallocate", full)
+        with pytest.raises(TransportCapacityError, match="/dev/shm is full"):
+            t.push("k", 0, b"x" * 4096)
+        pool_dir = t._pool.dir
+        assert sorted(os.listdir(pool_dir)) == ["lock"]  # no half-made slot
+        assert t.stored_blobs("k") == 0
+
+
+def test_slots_are_reused_after_release(root):
+    data = np.random.default_rng(0).integers(0, 256, (4, 65536), np.uint8)
+    with ShmTransport(root=root) as t:
+        for rep in range(3):
+            for i in range(4):
+                t.push(f"r{rep}", i, data[i])
+            out = np.empty(65536, np.uint8)
+            for i in range(4):
+                t.pull(f"r{rep}", i, out, 1.0)
+                assert np.array_equal(out, data[i])
+            t.release(f"r{rep}")
+        assert t._pool.count == 4  # three requests, four slot files in all
+        assert t.held_bytes()[0] == 0 and linked_bytes(root) == 0
+
+
+def test_trailer_checksum_catches_a_flipped_byte(root):
+    with ShmTransport(root=root) as t:
+        t.push("k", 0, b"\x01" * 1000)
+        with open(os.path.join(root, "keys", "k", "0"), "r+b") as f:
+            f.seek(500)
+            f.write(b"\x02")
+        with pytest.raises(TransportIntegrityError, match="xxh3 mismatch"):
+            t.pull("k", 0, bytearray(1000), 1.0)
+
+
+def test_pull_timeout_is_bounded(root):
+    with ShmTransport(root=root) as t:
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeoutError, match=r"did not appear within 0\.3 s"):
+            t.pull("never", 0, bytearray(8), 0.3)
+        assert 0.29 <= time.monotonic() - t0 < 1.0
+
+
+def test_ttl_sweep_removes_old_keys(root):
+    with ShmTransport(root=root, ttl_s=0.2) as t:
+        t.push("old", 0, b"x")
+        time.sleep(0.3)
+        t.push("new", 0, b"y")
+        t.sweep()
+        assert t.stored_blobs("old") == 0 and t.stored_blobs("new") == 1
+
+
+def test_dead_writer_pool_is_swept_but_its_blobs_stay_readable(root):
+    code = (f"from rngd_pd.kv.shm import ShmTransport; t = ShmTransport(root={root!r}); "
+            "t.push('k', 0, b'survives'); import os; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    pools = os.listdir(os.path.join(root, "pool"))
+    assert len(pools) == 1
+    with ShmTransport(root=root) as t:
+        t.sweep()
+        assert os.listdir(os.path.join(root, "pool")) == []  # the dead writer's pool is gone
+        out = bytearray(8)
+        assert t.pull("k", 0, out, 1.0) == 8 and out == b"survives"
+        assert linked_bytes(root) > 0
+        t.release("k")
+        assert linked_bytes(root) == 0
+
+
+def test_close_removes_the_pool(root):
+    t = ShmTransport(root=root)
+    t.push("k", 0, b"x" * 10)
+    t.release("k")
+    t.close()
+    t.close()
+    assert os.listdir(os.path.join(root, "pool")) == []

@@ -1,0 +1,192 @@
+"""tcp transport and KV relay specifics: auth, limits, checksums, logging, failures without hangs."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rngd_pd.errors import (
+    TransportCapacityError,
+    TransportError,
+    TransportIntegrityError,
+    TransportTimeoutError,
+)
+from rngd_pd.kv import wire
+from rngd_pd.kv.relay import config_from_env
+from rngd_pd.kv.relayproc import start_relay
+from rngd_pd.kv.tcp import RelayClient, TcpTransport, crc_from_env, parse_addr
+
+
+@pytest.fixture(scope="module")
+def relay():
+    with start_relay() as r:
+        yield r.addr
+
+
+def test_roundtrip_many_threads_one_pool(relay):
+    data = np.random.default_rng(0).integers(0, 256, (16, 300_000), np.uint8)
+    with TcpTransport(relay) as push, TcpTransport(relay) as pull:
+        assert push.client._pool is pull.client._pool  # one pool per process and address
+        errors = []
+
+        def work(i: int) -> None:
+            try:
+                out = np.empty(300_000, np.uint8)
+                push.push("mt", i, data[i])
+                assert pull.pull("mt", i, out, 5.0) == 300_000 and np.array_equal(out, data[i])
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert not errors
+        assert push.client.stat("mt")["key_blobs"] == 16
+        assert push.client.delete("mt") == 16 and push.client.stat()["used_bytes"] == 0
+
+
+def test_small_descriptor_api(relay):
+    with RelayClient(relay) as c:
+        c.put("desc", 0, b'{"addr": 1}')
+        assert c.get("desc", 0, 1.0) == b'{"addr": 1}'
+        c.delete("desc")
+
+
+def test_secret_is_required_and_checked():
+    with start_relay("127.0.0.1", 0, "--secret", "s3cret") as r:
+        with RelayClient(r.addr, "s3cret") as ok:
+            ok.put("k", 0, b"x")
+            assert ok.get("k", 0, 1.0) == b"x"
+        with pytest.raises(TransportError, match="refused our secret"), RelayClient(r.addr, "wrong") as bad:
+            bad.put("k", 1, b"x")
+        with pytest.raises(TransportError, match="requires a shared secret"), RelayClient(r.addr) as none:
+            none.stat()
+
+
+def test_hmac_answer_depends_on_nonce_and_hides_the_secret():
+    secret = b"correct horse battery staple"
+    a, b = wire.auth_digest(secret, b"n1"), wire.auth_digest(secret, b"n2")
+    assert a != b and secret not in a and len(a) == 32
+
+
+def test_memory_cap_is_a_clear_capacity_error():
+    with start_relay("127.0.0.1", 0, "--max-mb", "1") as r, RelayClient(r.addr) as c:
+        c.put("a", 0, bytes(600_000))
+        with pytest.raises(TransportCapacityError, match="memory cap"):
+            c.put("a", 1, bytes(600_000))
+        c.put("a", 2, b"small")  # the connection is still in sync
+        c.delete("a")
+        c.put("a", 1, bytes(600_000))  # room again after release
+
+
+def test_blob_and_key_limits():
+    with start_relay("127.0.0.1", 0, "--max-blob-mb", "1") as r, RelayClient(r.addr) as c:
+        with pytest.raises(TransportCapacityError, match="limit of 1048576"):
+            c.put("big", 0, bytes((1 << 20) + 1))
+        with pytest.raises(TransportError, match=r"key must be 1\.\.512"):
+            c.put("k" * 600, 0, b"x")
+        c.put("ok", 0, b"x")
+
+
+def test_output_too_small(relay):
+    with RelayClient(relay) as c:
+        c.put("small", 0, bytes(100))
+        with pytest.raises(TransportIntegrityError, match="output buffer only 10"):
+            c.get_into("small", 0, bytearray(10), 1.0)
+        c.delete("small")
+
+
+def test_crc_settings(monkeypatch, relay):
+    assert crc_from_env("0") is None and crc_from_env("crc32") == "crc32" and crc_from_env("1") == "crc32c"
+    monkeypatch.setenv("AIRM_KV_TCP_CRC", "0")
+    with RelayClient(relay) as c:
+        assert c.alg == 0
+        c.put("nocrc", 0, b"abc")
+        assert c.get("nocrc", 0, 1.0) == b"abc"
+        c.delete("nocrc")
+
+
+def test_log_size_and_sha256(monkeypatch, relay, caplog):
+    monkeypatch.setenv("AIRM_KV_TCP_LOG", "1")
+    caplog.set_level(logging.INFO, logger="rngd_pd.kv.tcp")
+    with RelayClient(relay) as c:
+        c.put("logged", 0, b"hello")
+        c.get("logged", 0, 1.0)
+        c.delete("logged")
+    digest = hashlib.sha256(b"hello").hexdigest()
+    assert f"push logged[0] 5 bytes sha256={digest}" in caplog.text
+    assert f"pull logged[0] 5 bytes sha256={digest}" in caplog.text
+
+
+def test_address_errors(monkeypatch):
+    monkeypatch.delenv("AIRM_KV_TCP_ADDR", raising=False)
+    with pytest.raises(TransportError, match="AIRM_KV_TCP_ADDR"):
+        parse_addr(None)
+    with pytest.raises(TransportError, match="not host:port"):
+        parse_addr("nohost")
+    monkeypatch.setenv("AIRM_KV_TCP_ADDR", "[::1]:7700")
+    assert parse_addr(None) == ("::1", 7700)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    with RelayClient(f"127.0.0.1:{port}") as c, pytest.raises(TransportError, match="cannot reach the KV"):
+        c.stat()
+
+
+def test_relay_dying_mid_pull_is_an_error_not_a_hang():
+    r = start_relay()
+    with RelayClient(r.addr) as c:
+        threading.Timer(0.5, r.stop).start()
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as e:
+            c.get_into("never", 0, bytearray(10), 30.0)
+        assert not isinstance(e.value, TransportTimeoutError) and time.monotonic() - t0 < 5
+
+
+def test_garbage_client_is_dropped_and_relay_keeps_serving(relay):
+    host, port = parse_addr(relay)
+    with socket.create_connection((host, port)) as s:
+        s.recv(64)  # hello
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(32))
+        s.settimeout(5)
+        try:
+            assert s.recv(64) == b""  # closed by the relay
+        except ConnectionResetError:
+            pass  # closed with our junk unread: also closed
+    with RelayClient(relay) as c:
+        c.stat()
+
+
+def _fake_relay_with_bad_crc(srv: socket.socket) -> None:
+    """Answers one GET with a checksum that does not match the payload (the receiver must notice)."""
+    conn, _ = srv.accept()
+    with conn:
+        conn.sendall(wire.Frame(wire.ST_OK, size=wire.NONCE_BYTES).pack() + bytes(wire.NONCE_BYTES))
+        f = wire.unpack(conn.recv(32, socket.MSG_WAITALL))
+        conn.recv(f.klen, socket.MSG_WAITALL)
+        body = b"corrupted!"
+        conn.sendall(wire.Frame(wire.ST_OK, wire.ALG_IDS["crc32c"], size=len(body), crc=12345).pack() + body)
+        conn.recv(1)
+
+
+def test_receiver_checks_the_checksum():
+    srv = socket.create_server(("127.0.0.1", 0))
+    th = threading.Thread(target=_fake_relay_with_bad_crc, args=(srv,), daemon=True)
+    th.start()
+    addr = f"127.0.0.1:{srv.getsockname()[1]}"
+    with RelayClient(addr) as c, pytest.raises(TransportIntegrityError, match="as received from the relay"):
+        c.get_into("k", 0, bytearray(64), 1.0)
+    srv.close()
+
+
+def test_relay_config_from_env(monkeypatch):
+    monkeypatch.setenv("AIRM_KV_TCP_TTL_S", "7.5")
+    monkeypatch.setenv("AIRM_KV_TCP_SECRET", "abc")
+    cfg = config_from_env(max_bytes=10)
+    assert (cfg.ttl_s, cfg.secret, cfg.max_bytes) == (7.5, b"abc", 10)

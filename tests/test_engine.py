@@ -15,8 +15,9 @@ from rngd_pd.errors import CapacityError, ConfigError, ContextLengthError, RngdP
 from rngd_pd.model.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8)
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew "
-         "strange potions in an old tower near the sea and count the stars").split()
+TEXT = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew "
+        "strange potions in an old tower near the sea and count the stars")
+WORDS = TEXT.split(" ")
 
 
 def prompt(tokenizer, n_words: int, offset: int = 0) -> list[int]:
@@ -46,7 +47,9 @@ class Collector:
         return self.events[-1]
 
 
-def request(key: str, pre: PrefillResult, params: SamplingParams, load_kv=None) -> tuple[DecodeRequest, Collector]:
+def request(
+    key: str, pre: PrefillResult, params: SamplingParams, load_kv=None
+) -> tuple[DecodeRequest, Collector]:
     col = Collector()
     load = load_kv or (lambda cache, slot: cache.load_all(slot, pre.kv))
     return DecodeRequest(key, pre.num_tokens, pre.first_token, params, load, col), col

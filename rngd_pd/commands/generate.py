@@ -14,8 +14,8 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="prompt text (special tokens like <|im_start|> are kept)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded "
-                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

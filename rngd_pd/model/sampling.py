@@ -137,7 +137,7 @@ class StopChecker:
             self.stopped, self.matched, self._pending = True, s, ""
             return buf[:idx], True
         hold = self._held_suffix_len(buf)
-        self._pending = buf[len(buf) - hold:] if hold else ""
+        self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:

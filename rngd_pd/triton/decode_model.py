@@ -27,6 +27,7 @@ from rngd_pd.triton.params import kv_torch_dtype
 
 Emit = Callable[[list[int], str, "BaseException | None"], None]  # (new ids, finish reason, error)
 CANCEL_MEMORY_S = 120.0
+IN_FLIGHT = "airm_decode_requests_in_flight"
 
 
 class DecodeService:
@@ -128,6 +129,11 @@ class DecodeService:
             pulling = len(self._pulling)
         return {**self.engine.stats(), "pulling_kv": pulling}
 
+    def in_flight(self) -> int:
+        """Requests holding anything here: waiting for KV, queued, loading or decoding."""
+        s = self.stats()
+        return s["pulling_kv"] + s["queued"] + s["loading"] + s["active"]
+
     def close(self) -> None:
         self.engine.stop()
         self._loaders.shutdown(wait=False, cancel_futures=True)
@@ -147,6 +153,11 @@ class DecodeModel:
         self.service = DecodeService(load_for(p, args), load_transport(p.kv_transport), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
+        from rngd_pd.triton import pbutils
+
+        self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
+                                             "GAUGE")
+        self._in_flight = self._family.Metric(labels={"model": args.get("model_name", "decode")})
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -171,23 +182,27 @@ class DecodeModel:
             if prompt_len is None:
                 raise errors.ConfigError(f"input {T.PROMPT_LEN!r} is required to start a request")
             params = inputs.sampling_params(getter(request))
-            self.service.start(key, int(prompt_len), params, _emitter(sender))
+            self.service.start(key, int(prompt_len), params, self._emitter(sender))
         except Exception as exc:
             pbutils.send_error(sender, exc)
+        self._in_flight.set(self.service.in_flight())
+
+    def _emitter(self, sender: Any) -> Emit:
+        from rngd_pd.triton import pbutils
+        from rngd_pd.triton import tensors as T
+
+        def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
+            if error is not None:
+                pbutils.send_error(sender, error)
+            else:
+                response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: ids, T.FINISH_REASON: reason})
+                pbutils.send(sender, response, final=bool(reason))
+            if error is not None or reason:
+                self._in_flight.set(self.service.in_flight())
+
+        return emit
 
     def finalize(self) -> None:
         self.service.close()
+        self._in_flight = self._family = None
 
-
-def _emitter(sender: Any) -> Emit:
-    from rngd_pd.triton import pbutils
-    from rngd_pd.triton import tensors as T
-
-    def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
-        if error is not None:
-            pbutils.send_error(sender, error)
-            return
-        response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: ids, T.FINISH_REASON: reason})
-        pbutils.send(sender, response, final=bool(reason))
-
-    return emit

@@ -1,0 +1,141 @@
+"""Shared pieces of the e2e tests of the model repository (real tritonserver, real transports).
+
+Reference tokens come from the in-process ColocatedEngine on the same embedded model (itself checked
+against the Hugging Face oracle by the model/engine tests), loaded once per test session.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import queue
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+REPOSITORY = ROOT / "model_repository"
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colors of the rainbow:",
+    "Bonjour, comment ça va? Réponds en français, avec des accents: é, è, à.",
+)
+MAX_TOKENS = 12
+
+
+def subset_repository(names: Iterable[str]) -> Path:
+    """A repository holding only `names` (symlinks to model_repository/<name>); faster to load."""
+    root = Path(tempfile.mkdtemp(prefix="rngd-pd-repo-"))
+    for name in names:
+        (root / name).symlink_to(REPOSITORY / name, target_is_directory=True)
+    return root
+
+
+@functools.cache
+def loaded_model() -> Any:
+    from rngd_pd.model import load_model
+
+    return load_model(None, progress=False)
+
+
+def prompt_ids(text: str) -> list[int]:
+    return loaded_model().tokenizer.encode(text)
+
+
+@functools.cache
+def reference(text: str, max_tokens: int = MAX_TOKENS) -> tuple[tuple[int, ...], str, str]:
+    """(token ids, text, finish reason) of greedy generation by the in-process ColocatedEngine."""
+    from rngd_pd.engine.colocated import ColocatedEngine
+    from rngd_pd.model.sampling import SamplingParams
+
+    with ColocatedEngine(loaded_model(), num_slots=1, max_len=512) as engine:
+        result = engine.generate(prompt_ids(text), SamplingParams(max_tokens=max_tokens))
+    ids = tuple(result.token_ids)
+    return ids, loaded_model().tokenizer.decode(ids), result.finish_reason
+
+
+def grpc_inputs(values: Mapping[str, Any]) -> list[Any]:
+    """tritonclient.grpc InferInputs from {name: numpy array}."""
+    import tritonclient.grpc as grpcclient
+
+    out = []
+    for name, array in values.items():
+        dtype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+def llm_inputs(text: str, max_tokens: int = MAX_TOKENS, stream: bool = True, **extra: Any) -> dict:
+    return {"text_input": np.array([text.encode()], dtype=np.object_),
+            "max_tokens": np.array([max_tokens], np.int32), "stream": np.array([stream]), **extra}
+
+
+def pd_inputs(ids: list[int], max_tokens: int = MAX_TOKENS, stream: bool = True, **extra: Any) -> dict:
+    return {"input_ids": np.array(ids, np.int32), "max_tokens": np.array([max_tokens], np.int32),
+            "stream": np.array([stream]), **extra}
+
+
+def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple[str, ...],
+                 cancel_after: int | None = None, timeout: float = 120.0) -> list[dict]:
+    """Responses of one gRPC streaming request as dicts; an error response raises RuntimeError.
+
+    cancel_after=n stops the stream (cancelling the request) after n responses.
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    got: list[dict] = []
+    try:
+        client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+        while cancel_after is None or len(got) < cancel_after:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            values_ = {n: result.as_numpy(n) for n in outputs if result.as_numpy(n) is not None}
+            if values_:
+                got.append(values_)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    return got
+
+
+def ids_of(responses: list[dict]) -> list[int]:
+    return [int(i) for r in responses for i in r["output_ids"].reshape(-1)]
+
+
+def text_of(responses: list[dict]) -> str:
+    return "".join(r["text_output"].reshape(-1)[0].decode("utf-8") for r in responses)
+
+
+def reason_of(responses: list[dict]) -> str:
+    return responses[-1]["finish_reason"].reshape(-1)[0].decode()
+
+
+def http_post(url: str, path: str, body: dict, timeout: float = 120.0) -> tuple[int, str]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sse_events(body: str) -> list[dict]:
+    """The JSON objects of a generate_stream body (`data: {...}` lines)."""
+    return [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]

@@ -1,0 +1,207 @@
+"""e2e: the whole repository (llm, pd, colocated, prefill, decode, pre/postprocess) on one tritonserver
+with the shm transport: tokens, text, HTTP endpoints, KV bytes, faults, cancellation, load, metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import e2e_support as E
+from tests.triton_harness import triton_server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[dict[str, str]]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-e2e-shm-", dir=base)
+    log = Path(tempfile.mkdtemp(prefix="rngd-pd-e2e-")) / "kv.jsonl"
+    yield {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root, "RNGD_PD_KV_DEBUG_LOG": str(log)}
+    shutil.rmtree(shm_root, ignore_errors=True)
+    shutil.rmtree(log.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(env: dict[str, str]):
+    with triton_server(E.REPOSITORY, "cpu", env) as s:
+        yield s
+
+
+LLM_OUT = ("text_output", "output_ids", "finish_reason")
+PD_OUT = ("output_ids", "finish_reason")
+
+
+@pytest.mark.parametrize("text", E.PROMPTS)
+def test_llm_grpc_stream_matches_colocated_engine(server, text: str) -> None:
+    ids, ref_text, reason = E.reference(text)
+    responses = E.stream_infer(server.grpc_url, "llm", E.llm_inputs(text), LLM_OUT)
+    assert E.ids_of(responses) == list(ids)
+    assert len(responses) == len(ids)  # one response per token
+    assert E.text_of(responses) == ref_text
+    assert E.reason_of(responses) == reason
+
+
+def test_llm_without_stream_is_one_response_with_the_whole_text(server) -> None:
+    text = E.PROMPTS[4]
+    ids, ref_text, _ = E.reference(text)
+    responses = E.stream_infer(server.grpc_url, "llm", E.llm_inputs(text, stream=False), LLM_OUT)
+    assert len(responses) == 1
+    assert E.ids_of(responses) == list(ids) and E.text_of(responses) == ref_text
+
+
+def test_llm_http_generate_and_generate_stream(server) -> None:
+    text = E.PROMPTS[0]
+    ids, ref_text, reason = E.reference(text)
+    status, body = E.http_post(server.http_url, "/v2/models/llm/generate",
+                               {"text_input": text, "max_tokens": E.MAX_TOKENS})
+    assert status == 200, body
+    one = json.loads(body)
+    assert one["text_output"] == ref_text and one["output_ids"] == list(ids)
+    assert one["finish_reason"] == reason
+    status, body = E.http_post(server.http_url, "/v2/models/llm/generate_stream",
+                               {"text_input": text, "max_tokens": E.MAX_TOKENS, "stream": True})
+    assert status == 200, body
+    events = E.sse_events(body)
+    assert [e["output_ids"] for e in events] == list(ids)
+    assert "".join(e["text_output"] for e in events) == ref_text
+
+
+@pytest.mark.parametrize("model", ["pd", "colocated"])
+def test_pd_and_colocated_stream_the_same_tokens(server, model: str) -> None:
+    for text in E.PROMPTS[:2]:
+        ids, _, reason = E.reference(text)
+        responses = E.stream_infer(server.grpc_url, model, E.pd_inputs(E.prompt_ids(text)), PD_OUT)
+        assert E.ids_of(responses) == list(ids) and E.reason_of(responses) == reason
+        status, body = E.http_post(server.http_url, f"/v2/models/{model}/generate",
+                                   {"input_ids": E.prompt_ids(text), "max_tokens": E.MAX_TOKENS})
+        assert status == 200 and json.loads(body)["output_ids"] == list(ids), body
+
+
+def test_kv_bytes_decode_received_equal_those_prefill_produced(server, env) -> None:
+    E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(E.PROMPTS[3])), PD_OUT)
+    rows = [json.loads(line) for line in Path(env["RNGD_PD_KV_DEBUG_LOG"]).read_text().splitlines()]
+    num_blobs = 2 * E.loaded_model().config.num_layers
+    by_key: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}
+    for r in rows:
+        if r["index"] < num_blobs:
+            by_key.setdefault(r["key"], {}).setdefault(r["side"], {})[r["index"]] = (r["nbytes"], r["crc32c"])
+    complete = [k for k, sides in by_key.items() if len(sides.get("decode", {})) == num_blobs]
+    assert complete, "no request logged all its blobs on the decode side"
+    for key in complete:
+        assert by_key[key]["prefill"] == by_key[key]["decode"], key
+
+
+def _error_of(server, model: str, values: dict) -> str:
+    with pytest.raises(RuntimeError) as info:
+        E.stream_infer(server.grpc_url, model, values, PD_OUT)
+    return str(info.value)
+
+
+def test_prompt_over_the_context_limit_is_rejected(server) -> None:
+    message = _error_of(server, "pd", E.pd_inputs([42] * 2100, max_tokens=4))
+    assert "ContextLengthError" in message and "2048" in message, message
+    message = _error_of(server, "llm", E.llm_inputs("hello " * 1000, max_tokens=1500))
+    assert "ContextLengthError" in message, message
+
+
+@pytest.mark.parametrize(("extra", "what"), [
+    ({"temperature": np.array([-1.0], np.float32)}, "temperature"),
+    ({"top_p": np.array([2.0], np.float32)}, "top_p"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens"),
+])
+def test_bad_parameter_values_are_rejected(server, extra: dict, what: str) -> None:
+    message = _error_of(server, "pd", {**E.pd_inputs(E.prompt_ids("hi")), **extra})
+    assert "ConfigError" in message and what in message, message
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    values = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)]
+    return sum(values)
+
+
+def test_client_cancel_frees_the_decode_slot_and_the_kv(server, env) -> None:
+    ids = E.prompt_ids(E.PROMPTS[1])
+    got = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=400), PD_OUT, cancel_after=3)
+    assert len(got) == 3
+    deadline = time.monotonic() + 10  # 400 tokens would take far longer than this
+    while _metric(server, "airm_decode_requests_in_flight") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(server, "airm_decode_requests_in_flight") == 0
+    from rngd_pd.kv.shm import linked_bytes
+
+    assert linked_bytes(env["PD_SHM_ROOT"]) == 0, "KV blobs left behind in shm"
+    text = E.PROMPTS[0]
+    responses = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT)
+    assert E.ids_of(responses) == list(E.reference(text)[0])
+
+
+def test_corrupted_blob_fails_that_request_naming_the_transport(server, env) -> None:
+    import tritonclient.grpc as grpcclient
+
+    from rngd_pd.kv import load_transport
+
+    ids, key = E.prompt_ids(E.PROMPTS[2]), "e2e-corrupt-" + os.urandom(4).hex()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.infer("prefill", E.grpc_inputs({"request_key": np.array([key.encode()], dtype=np.object_),
+                                           "input_ids": np.array(ids, np.int32)}))
+    shm = load_transport("shm", root=env["PD_SHM_ROOT"])
+    try:
+        blob = np.zeros(1 << 20, np.uint8)
+        n = shm.pull(key, 3, blob, timeout=5)
+        blob[n // 2] ^= 0xFF
+        shm.push(key, 3, blob[:n])  # replaces blob 3 with a flipped byte, as a bad link would
+        message = _error_of(server, "decode", {"request_key": np.array([key.encode()], dtype=np.object_),
+                                               "prompt_len": np.array([len(ids)], np.int32),
+                                               "max_tokens": np.array([4], np.int32)})
+    finally:
+        shm.release(key)
+        shm.close()
+    assert "TransportIntegrityError" in message and "shm" in message, message
+    text = E.PROMPTS[0]  # the server keeps serving
+    responses = E.stream_infer(server.grpc_url, "llm", E.llm_inputs(text), LLM_OUT)
+    assert E.ids_of(responses) == list(E.reference(text)[0])
+
+
+def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
+    texts = [E.PROMPTS[i % len(E.PROMPTS)] for i in range(16)]
+    expected = [list(E.reference(t)[0]) for t in texts]
+    results: list[list[int] | BaseException] = [[] for _ in texts]
+
+    def one(i: int) -> None:
+        try:
+            model = "llm" if i % 2 else "pd"
+            values = E.llm_inputs(texts[i]) if model == "llm" else E.pd_inputs(E.prompt_ids(texts[i]))
+            results[i] = E.ids_of(E.stream_infer(server.grpc_url, model, values, PD_OUT, timeout=300))
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert results == expected
+
+
+def test_metrics_show_the_airm_families_after_traffic(server) -> None:
+    E.stream_infer(server.grpc_url, "llm", E.llm_inputs(E.PROMPTS[0]), LLM_OUT)
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    for family in ("airm_ttft_p90_ms", "airm_tpot_p90_ms", "airm_tok_s", "airm_ttft_seconds_bucket"):
+        assert f"\n{family}{{" in text, family
+    assert 'airm_kv_transfer_ms{kv_transport="shm"' in text or 'kv_transport="shm"' in text
+    assert _metric(server, 'airm_ttft_p90_ms{model="pd"}') > 0

@@ -1,0 +1,136 @@
+"""The PD flow (rngd_pd.triton.orchestrator) driven without Triton, through a fake ModelClient.
+
+The fake stands in for Triton's model calls only (the layer below the orchestrator); the real models
+are exercised by the e2e tests. Also: error types survive a hop, and streamed text is UTF-8 safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import pytest
+
+from rngd_pd import errors
+from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.triton import tensors as T
+from rngd_pd.triton.inputs import remote_error, sampling_inputs, sampling_params
+from rngd_pd.triton.orchestrator import CONTEXT, Chunk, Orchestrator
+
+
+class FakeModels:
+    """prefill returns `first`; decode streams `tokens` once prefill ran (as if waiting for the KV)."""
+
+    def __init__(self, first: int = 7, tokens: tuple[int, ...] = (8, 9, 10), reason: str = "length",
+                 prefill_error: Exception | None = None, decode_error: Exception | None = None,
+                 hold: threading.Event | None = None) -> None:
+        self.first, self.tokens, self.reason = first, tokens, reason
+        self.prefill_error, self.decode_error, self.hold = prefill_error, decode_error, hold
+        self.prefilled = threading.Event()
+        self.calls: list[tuple[str, dict]] = []
+        self.aborted: list[str] = []
+
+    def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: tuple[str, ...]) -> dict:
+        self.calls.append((model, dict(inputs)))
+        if self.prefill_error is not None:
+            raise self.prefill_error
+        self.prefilled.set()
+        return {T.FIRST_TOKEN: np.array([self.first], np.int32)}
+
+    def stream(self, model: str, inputs: Mapping[str, np.ndarray],
+               outputs: tuple[str, ...]) -> Iterator[dict]:
+        key = inputs[T.REQUEST_KEY][0].decode()
+        if T.CANCEL in inputs:
+            self.aborted.append(key)
+            yield {T.FINISH_REASON: np.array([b"cancelled"], dtype=np.object_)}
+            return
+        self.calls.append((model, dict(inputs)))
+        self.prefilled.wait(5)
+        if self.decode_error is not None:
+            raise self.decode_error
+        for i, tok in enumerate(self.tokens):
+            if self.hold is not None and i == 1:
+                self.hold.wait(5)
+            last = i == len(self.tokens) - 1
+            yield {T.OUTPUT_IDS: np.array([tok], np.int32),
+                   T.FINISH_REASON: np.array([self.reason.encode() if last else b""], dtype=np.object_)}
+
+
+def _run(models: FakeModels, stream: bool = True, **kw) -> tuple[list[Chunk], object]:
+    chunks: list[Chunk] = []
+    params = SamplingParams(max_tokens=4)
+    stats = Orchestrator(models, models).run([1, 2, 3], params, stream, chunks.append, **kw)
+    return chunks, stats
+
+
+def test_streams_the_first_token_from_prefill_then_decodes_tokens() -> None:
+    models = FakeModels()
+    chunks, stats = _run(models)
+    assert [c.token_ids for c in chunks] == [[7], [8], [9], [10]]
+    assert [c.finish_reason for c in chunks] == ["", "", "", "length"]
+    assert chunks[3].context_ids == [7, 8, 9]
+    assert stats.tokens == 4 and stats.first_token_at >= stats.start
+    (decode_call,) = [c for m, c in models.calls if m == "decode"]
+    assert int(decode_call[T.PROMPT_LEN][0]) == 3 and int(decode_call[T.MAX_TOKENS][0]) == 4
+    assert models.aborted == []
+
+
+def test_context_ids_are_capped() -> None:
+    chunks, _ = _run(FakeModels(tokens=tuple(range(20, 40))))
+    assert chunks[-1].context_ids == list(range(40 - CONTEXT - 1, 39))
+
+
+def test_without_stream_one_final_chunk_holds_everything() -> None:
+    chunks, _ = _run(FakeModels(), stream=False)
+    assert chunks == [Chunk([7, 8, 9, 10], [], "length")]
+
+
+def test_prefill_failure_fails_the_request_and_drops_decode() -> None:
+    models = FakeModels(prefill_error=errors.TransportError("KV transport 'tcp' failed to push blob 0"))
+    with pytest.raises(errors.TransportError, match="tcp") as info:
+        _run(models)
+    assert info.value.key is not None and models.aborted == [info.value.key]
+
+
+def test_decode_failure_fails_the_request_after_the_first_token() -> None:
+    models = FakeModels(decode_error=errors.TransportIntegrityError("KV transport 'shm': crc32c mismatch"))
+    chunks: list[Chunk] = []
+    with pytest.raises(errors.TransportIntegrityError, match="shm"):
+        Orchestrator(models, models).run([1], SamplingParams(), True, chunks.append)
+    assert [c.token_ids for c in chunks] == [[7]] and len(models.aborted) == 1
+
+
+def test_client_cancel_stops_and_tells_decode() -> None:
+    hold = threading.Event()
+    models = FakeModels(tokens=(8, 9, 10, 11), hold=hold)
+    chunks: list[Chunk] = []
+    with pytest.raises(errors.RequestCancelled):
+        Orchestrator(models, models).run([1], SamplingParams(max_tokens=9), True, chunks.append,
+                                         cancelled=lambda: len(chunks) >= 2)
+    hold.set()
+    assert len(models.aborted) == 1 and [c.token_ids for c in chunks] == [[7], [8]]
+
+
+def test_empty_prompt_and_bad_params_fail_before_any_call() -> None:
+    models = FakeModels()
+    with pytest.raises(errors.ConfigError):
+        Orchestrator(models, models).run([], SamplingParams(), True, lambda c: None)
+    with pytest.raises(errors.ConfigError):
+        Orchestrator(models, models).run([1], SamplingParams(temperature=-1.0), True, lambda c: None)
+    assert models.calls == []
+
+
+def test_error_types_survive_a_hop_through_triton() -> None:
+    err = remote_error("TransportTimeoutError: [request k1] KV transport 'tcp': blob 3 did not arrive")
+    assert isinstance(err, errors.TransportTimeoutError) and "tcp" in str(err)
+    assert isinstance(remote_error("in ensemble 'llm', ConfigError: bad"), errors.RngdPdError)
+    assert type(remote_error("something else")) is errors.RngdPdError
+
+
+def test_sampling_params_round_trip_through_tensors() -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.5, top_p=0.75, top_k=40, seed=3, stop=("\n\n",))
+    tensors = sampling_inputs(params)
+    assert sampling_params(tensors.get) == params
+    with pytest.raises(errors.ConfigError, match="max_tokens"):
+        sampling_params({}.get)

@@ -1,0 +1,63 @@
+"""e2e, the pod layout of the original: a prefill-only tritonserver, a decode-only tritonserver and a
+gateway (llm, pd, pre/postprocess) whose pd reaches the other two by gRPC. Same tokens as colocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from rngd_pd.triton.server import ServerConfig, TritonServer
+from tests import e2e_support as E
+from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
+
+pytestmark = pytest.mark.e2e
+
+
+def _server(stack: contextlib.ExitStack, models: list[str], env: dict[str, str], logs: Path) -> TritonServer:
+    cfg = ServerConfig(E.subset_repository(models), "cpu", http_port=0, grpc_port=0, metrics_port=0,
+                       env=env)
+    server = TritonServer(cfg, log=logs / f"{models[0]}.log")
+    stack.callback(server.stop)
+    server.start()
+    return server
+
+
+def test_three_servers_prefill_decode_gateway_give_the_same_tokens() -> None:
+    require_tritonserver()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-e2e-remote-", dir=base)
+    logs = Path(tempfile.mkdtemp(prefix="rngd-pd-e2e-remote-logs-"))
+    kv_env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root}
+    try:
+        with contextlib.ExitStack() as stack:
+            prefill = _server(stack, ["prefill"], kv_env, logs)
+            decode = _server(stack, ["decode"], kv_env, logs)
+            urls = {"RNGD_PD_PREFILL_URL": f"127.0.0.1:{prefill.cfg.grpc_port}",
+                    "RNGD_PD_DECODE_URL": f"127.0.0.1:{decode.cfg.grpc_port}"}
+            gateway = _server(stack, ["pd", "llm", "preprocess", "postprocess"], urls, logs)
+            for server in (prefill, decode, gateway):
+                server.wait_ready(READY_TIMEOUT_S)
+            for text in E.PROMPTS:
+                ids, _, reason = E.reference(text)
+                responses = E.stream_infer(gateway.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)),
+                                           ("output_ids", "finish_reason"))
+                assert E.ids_of(responses) == list(ids), text
+                assert E.reason_of(responses) == reason
+            request = {"text_input": E.PROMPTS[0], "max_tokens": E.MAX_TOKENS, "stream": True}
+            status, body = E.http_post(gateway.http_url, "/v2/models/llm/generate_stream", request)
+            assert status == 200, body
+            events = E.sse_events(body)
+            assert "".join(e["text_output"] for e in events) == E.reference(E.PROMPTS[0])[1]
+            status, body = E.http_post(gateway.http_url, "/v2/models/pd/generate",
+                                       {"input_ids": [42] * 3000, "max_tokens": 4})
+            assert status == 400 and "ContextLengthError" in json.loads(body)["error"], body
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)

@@ -1,0 +1,78 @@
+"""e2e: pd over the tcp relay (started here) and over nixl-ucx: the same greedy tokens as the colocated
+engine, and a relay killed mid-transfer fails only the requests in flight, naming the transport.
+
+Each server holds only prefill, decode and pd (preprocess/postprocess/llm do not depend on the
+transport and are covered by test_e2e_pd.py), which keeps the start-up short on 2 cores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rngd_pd.kv.relayproc import start_relay
+from tests import e2e_support as E
+from tests.triton_harness import triton_server
+
+pytestmark = pytest.mark.e2e
+PD_OUT = ("output_ids", "finish_reason")
+
+
+def _check_tokens(server) -> None:
+    for text in E.PROMPTS:
+        ids, _, reason = E.reference(text)
+        responses = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT)
+        assert E.ids_of(responses) == list(ids), text
+        assert E.reason_of(responses) == reason
+
+
+def _serve_with_retries(server, text: str, attempts: int = 3) -> list[int]:
+    """pd tokens for text; a request may fail while pooled connections to a restarted relay are renewed."""
+    last: Exception | None = None
+    for _ in range(attempts):
+        try:
+            return E.ids_of(E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT))
+        except RuntimeError as exc:
+            last = exc
+    raise AssertionError(f"no success after the relay came back: {last}")
+
+
+def test_tcp_relay_tokens_and_relay_killed_mid_transfer() -> None:
+    relay = start_relay()
+    host, port = relay.addr.rsplit(":", 1)
+    try:
+        env = {"AIRM_KV_TRANSPORT": "tcp", "AIRM_KV_TCP_ADDR": relay.addr}
+        with triton_server(E.subset_repository(["prefill", "decode", "pd"]), "cpu", env) as server:
+            _check_tokens(server)
+            errors: list[str] = []
+
+            def long_request() -> None:
+                try:
+                    E.stream_infer(server.grpc_url, "pd", E.pd_inputs([42] * 1500, max_tokens=8), PD_OUT)
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+
+            worker = threading.Thread(target=long_request)
+            worker.start()
+            time.sleep(0.5)  # prefill of 1500 tokens is pushing layers now
+            relay.stop()
+            worker.join(120)
+            assert not worker.is_alive(), "the request hung after the relay died"
+            assert errors and "tcp" in errors[0] and "Transport" in errors[0], errors
+            relay = start_relay(host, int(port))  # the server keeps serving once the relay is back
+            text = E.PROMPTS[0]
+            assert _serve_with_retries(server, text) == list(E.reference(text)[0])
+    finally:
+        relay.stop()
+
+
+@pytest.mark.nixl
+def test_nixl_ucx_tokens() -> None:
+    pytest.importorskip("nixl", reason="the NIXL wheels (nixl, nixl-cu12) are not installed")
+    with start_relay() as relay:
+        env = {"AIRM_KV_TRANSPORT": "nixl-ucx", "AIRM_KV_TCP_ADDR": relay.addr, "AIRM_KV_UCX_POOL_MB": "64",
+               "UCX_MODULES": "^ib"}
+        with triton_server(E.subset_repository(["prefill", "decode", "pd"]), "cpu", env) as server:
+            _check_tokens(server)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 HELP = "run the KV relay (tcp transport's blob store; nixl-ucx's descriptor store)"
@@ -39,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kv-relay listening on {host}:{port} (max {args.max_mb} MiB, ttl {cfg.ttl_s:g} s, {auth})",
           flush=True)
     try:
-        asyncio.run(server.serve_forever())
+        server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        server.shutdown()
     return 0
 

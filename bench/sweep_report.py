@@ -1,0 +1,247 @@
+"""The sweep's report: normalised rows, the side-by-side table with ratios, the targets, and the plot.
+
+Pure functions over result rows (dicts), so tests drive them with synthetic rows and no servers.
+A row is one (system, workload, concurrency) point:
+
+    {"system": "pd", "workload": "fixed", "concurrency": 16, "output_tok_s": 310.0,
+     "ttft_p50_ms": ..., "ttft_p99_ms": ..., "tpot_p50_ms": ..., "tpot_p99_ms": ..., "slo_share": 0.97, ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# Display order and names; systems not listed here come after, under their own name.
+SYSTEMS: dict[str, str] = {
+    "pd": "PD",
+    "colocated": "colocated",
+    "hf": "HF generate",
+    "hf-cb": "HF cont. batching",
+    "llamacpp": "llama.cpp",
+}
+METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "slo_share")
+
+# load_gen field names -> the row's names (the first one present wins).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "output_tok_s": ("output_tok_s", "output_tokens_per_s", "tok_s", "tokens_per_s"),
+    "ttft_p50_ms": ("ttft_p50_ms", "ttft_ms_p50"),
+    "ttft_p99_ms": ("ttft_p99_ms", "ttft_ms_p99"),
+    "tpot_p50_ms": ("tpot_p50_ms", "tpot_ms_p50"),
+    "tpot_p99_ms": ("tpot_p99_ms", "tpot_ms_p99"),
+    "slo_share": ("slo_share", "slo_ok_share", "share_within_slo"),
+    "requests": ("requests", "completed", "ok"),
+    "errors": ("errors", "failed"),
+}
+
+
+def normalise(raw: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A load_gen summary mapped to the row's field names, plus `extra` (system, workload, ...)."""
+    row: dict[str, Any] = {}
+    for name, keys in ALIASES.items():
+        row[name] = next((raw[k] for k in keys if raw.get(k) is not None), None)
+    row.update(extra)
+    return row
+
+
+def system_order(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Systems present in rows, in SYSTEMS order, unknown ones after."""
+    present = {r["system"] for r in rows}
+    return [s for s in SYSTEMS if s in present] + sorted(present - set(SYSTEMS))
+
+
+def label(system: str) -> str:
+    return SYSTEMS.get(system, system)
+
+
+def _get(
+    rows: Sequence[dict[str, Any]], system: str, workload: str, conc: int | None
+) -> dict[str, Any] | None:
+    for r in rows:
+        if (
+            r["system"] == system
+            and r["workload"] == workload
+            and (conc is None or r.get("concurrency") == conc)
+        ):
+            return r
+    return None
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _grid(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    grid = [list(header), *[list(b) for b in body]]
+    widths = [max(len(g[i]) for g in grid) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(g, widths, strict=True)) for g in grid]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def metrics_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Every point: system, workload, concurrency and the metrics."""
+    systems = system_order(rows)
+    ordered = sorted(
+        rows, key=lambda r: (systems.index(r["system"]), r["workload"], r.get("concurrency") or 0)
+    )
+    body = [
+        [
+            label(r["system"]),
+            r["workload"],
+            _fmt(r.get("concurrency")),
+            *(_fmt(r.get(m)) for m in METRICS),
+            _fmt(r.get("mfu")),
+            _fmt(r.get("power_w")),
+            _fmt(r.get("note", "")),
+        ]
+        for r in ordered
+    ]
+    return _grid(["system", "workload", "conc", *METRICS, "mfu", "power_w", "note"], body)
+
+
+def ratio_table(rows: Sequence[dict[str, Any]], metric: str = "output_tok_s", base: str = "pd") -> str:
+    """One line per (workload, concurrency): `metric` of each system side by side, then base / each."""
+    systems = system_order(rows)
+    others = [s for s in systems if s != base]
+    points = sorted({(r["workload"], r.get("concurrency")) for r in rows}, key=lambda p: (p[0], p[1] or 0))
+    body = []
+    for wl, c in points:
+        vals = {s: (_get(rows, s, wl, c) or {}).get(metric) for s in systems}
+        ratios = [_fmt(vals[base] / vals[s], 2) if vals.get(base) and vals.get(s) else "-" for s in others]
+        body.append([wl, _fmt(c), *(_fmt(vals[s]) for s in systems), *ratios])
+    header = [
+        "workload",
+        "conc",
+        *(label(s) for s in systems),
+        *(f"{label(base)}/{label(s)}" for s in others),
+    ]
+    return f"{metric} side by side\n" + _grid(header, body)
+
+
+def targets(
+    rows: Sequence[dict[str, Any]], workload: str = "fixed", mixed: str = "mixed"
+) -> list[dict[str, Any]]:
+    """The issue's three targets: each with the measured values and whether it is met (None: not run)."""
+
+    def tok(system: str, c: int) -> float | None:
+        return (_get(rows, system, workload, c) or {}).get("output_tok_s")
+
+    out = []
+    one, sixteen = tok("pd", 1), tok("pd", 16)
+    scale = sixteen / one if one and sixteen else None
+    out.append(
+        {
+            "target": "PD tok/s at 16 streams >= 8x single-stream",
+            "value": scale,
+            "goal": 8.0,
+            "met": None if scale is None else scale >= 8.0,
+        }
+    )
+    pd_p99 = (_get(rows, "pd", mixed, None) or {}).get("tpot_p99_ms")
+    co_p99 = (_get(rows, "colocated", mixed, None) or {}).get("tpot_p99_ms")
+    ok = None if pd_p99 is None or co_p99 is None else pd_p99 <= co_p99
+    out.append(
+        {"target": "PD TPOT p99 (mixed trace) <= colocated's", "value": pd_p99, "goal": co_p99, "met": ok}
+    )
+    for peer in ("hf", "hf-cb", "llamacpp"):
+        theirs = tok(peer, 16)
+        if theirs is None and not any(r["system"] == peer for r in rows):
+            continue
+        met = None if sixteen is None or theirs is None else sixteen > theirs
+        out.append(
+            {
+                "target": f"PD tok/s at 16 streams > {label(peer)}",
+                "value": sixteen,
+                "goal": theirs,
+                "met": met,
+            }
+        )
+    return out
+
+
+def targets_text(ts: Sequence[dict[str, Any]]) -> str:
+    word = {True: "MET", False: "NOT MET", None: "not measured"}
+    return "\n".join(
+        f"[{word[t['met']]:>12}] {t['target']}: {_fmt(t['value'])} vs {_fmt(t['goal'])}" for t in ts
+    )
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, workload: str = "fixed", mixed: str = "mixed") -> Path:
+    """PNG: aggregate output tok/s against TPOT p99, one line per system over concurrency (mixed: X)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for i, s in enumerate(system_order(rows)):
+        color = f"C{i}"
+        pts = sorted(
+            (
+                r
+                for r in rows
+                if r["system"] == s
+                and r["workload"] == workload
+                and r.get("tpot_p99_ms")
+                and r.get("output_tok_s")
+            ),
+            key=lambda r: r["concurrency"],
+        )
+        if pts:
+            ax.plot(
+                [r["tpot_p99_ms"] for r in pts],
+                [r["output_tok_s"] for r in pts],
+                "o-",
+                color=color,
+                label=label(s),
+            )
+            for r in pts:
+                ax.annotate(
+                    str(r["concurrency"]),
+                    (r["tpot_p99_ms"], r["output_tok_s"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(3, 3),
+                )
+        m = _get(rows, s, mixed, None)
+        if m and m.get("tpot_p99_ms") and m.get("output_tok_s"):
+            ax.plot(
+                [m["tpot_p99_ms"]],
+                [m["output_tok_s"]],
+                "x",
+                color=color,
+                markersize=9,
+                label=f"{label(s)} ({mixed} trace)",
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("TPOT p99 (ms, log)")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title("throughput against TPOT p99 (labels: concurrent streams)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(rows: Sequence[dict[str, Any]]) -> str:
+    """The full text report: metrics, ratios of tok/s and TPOT p99, and the targets."""
+    parts = [
+        metrics_table(rows),
+        "",
+        ratio_table(rows, "output_tok_s"),
+        "",
+        ratio_table(rows, "tpot_p99_ms"),
+        "",
+        "targets",
+        targets_text(targets(rows)),
+    ]
+    return "\n".join(parts)

@@ -120,15 +120,18 @@ class KVReceiver:
 
     def _check(self, handle: KVHandle, key: str, prompt_len: int,
                kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        handle.validate(self.spec)
-        if handle.key != key or handle.num_tokens != prompt_len:
-            raise errors.TransportIntegrityError(
-                f"KV handle is for request {handle.key} with {handle.num_tokens} tokens; expected {key} "
-                f"with {prompt_len}", key=key)
-        for layer, (k, v) in enumerate(kv):
-            for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
-                debug_log("decode", key, index, tensor)
-                handle.verify_blob(index, tensor)
+        try:
+            handle.validate(self.spec)
+            if handle.key != key or handle.num_tokens != prompt_len:
+                raise errors.TransportIntegrityError(
+                    f"KV handle is for request {handle.key} with {handle.num_tokens} tokens; expected "
+                    f"{key} with {prompt_len}", key=key)
+            for layer, (k, v) in enumerate(kv):
+                for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
+                    debug_log("decode", key, index, tensor)
+                    handle.verify_blob(index, tensor)
+        except errors.TransportIntegrityError as exc:
+            raise _named(self.transport, exc, key, "deliver this request's KV intact") from exc
 
     def _pull(self, key: str, index: int, out: Any, deadline: float, cancelled: Callable[[], bool]) -> int:
         """Wait for one blob in short slices so a cancel (or prefill's failure) is noticed quickly."""

@@ -26,16 +26,16 @@ def rngd_pd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_json_output_matches_the_engine(engine_model) -> None:
+def test_json_output_matches_the_engine(smollm) -> None:
     proc = rngd_pd("--prompt", PROMPT, "--max-tokens", "6", "--kv-dtype", "fp32", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    ids = engine_model.tokenizer.encode(PROMPT)
+    ids = smollm.tokenizer.encode(PROMPT)
     assert out["prompt_token_ids"] == ids
     assert out["finish_reason"] in ("length", "eos") and 1 <= len(out["token_ids"]) <= 6
     import torch
 
-    with ColocatedEngine(engine_model, max_len=64, kv_dtype=torch.float32) as eng:
+    with ColocatedEngine(smollm, max_len=64, kv_dtype=torch.float32) as eng:
         ref = eng.generate(ids, SamplingParams(max_tokens=6))
     assert out["token_ids"] == ref.token_ids and out["text"] == ref.text
 
@@ -65,16 +65,16 @@ def test_corrupt_model_file_and_too_long_prompt(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "exceeds" in proc.stderr and "8192" in proc.stderr
 
 
-def test_streaming_text_chat_and_stop(engine_model, monkeypatch, capsys) -> None:
+def test_streaming_text_chat_and_stop(smollm, monkeypatch, capsys) -> None:
     import rngd_pd.model
 
-    monkeypatch.setattr(rngd_pd.model, "load_model", lambda *a, **k: engine_model)
+    monkeypatch.setattr(rngd_pd.model, "load_model", lambda *a, **k: smollm)
     ask = "Write one sentence about the sea."
     base = ["generate", "--prompt", ask, "--chat", "--max-tokens", "8"]
     assert cli.main([*base, "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
-    chat = engine_model.tokenizer.apply_chat_template([{"role": "user", "content": ask}])
-    assert ref["prompt_token_ids"] == engine_model.tokenizer.encode(chat)
+    chat = smollm.tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+    assert ref["prompt_token_ids"] == smollm.tokenizer.encode(chat)
     assert cli.main(base) == 0
     assert capsys.readouterr().out == ref["text"] + "\n"
     stop = ref["text"][2:5]

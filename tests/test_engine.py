@@ -56,26 +56,26 @@ def request(
 
 
 @pytest.fixture(scope="module")
-def prefiller(engine_model) -> PrefillEngine:
-    return PrefillEngine(engine_model, chunk_size=None)
+def prefiller(smollm) -> PrefillEngine:
+    return PrefillEngine(smollm, chunk_size=None)
 
 
 @pytest.fixture(scope="module")
-def engine(engine_model):
-    eng = DecodeEngine(engine_model, num_slots=16, max_len=160, buckets=[64, 160], max_queue=4)
+def engine(smollm):
+    eng = DecodeEngine(smollm, num_slots=16, max_len=160, buckets=[64, 160], max_queue=4)
     eng.start()
     yield eng
     eng.stop()
 
 
 @pytest.fixture(scope="module")
-def ragged(engine_model, prefiller) -> list[tuple[list[int], SamplingParams, list[int]]]:
+def ragged(smollm, prefiller) -> list[tuple[list[int], SamplingParams, list[int]]]:
     """16 ragged prompts, each decoded alone (batch of one): the reference tokens."""
     cases = []
-    with DecodeEngine(engine_model, num_slots=1, max_len=160, buckets=[160]) as alone:
+    with DecodeEngine(smollm, num_slots=1, max_len=160, buckets=[160]) as alone:
         for i in range(16):
-            ids = prompt(engine_model.tokenizer, 3 + 5 * i, offset=i)
-            params = SamplingParams(max_tokens=4 + i % 5, ignore_eos=True)
+            ids = prompt(smollm.tokenizer, 3 + 5 * i, offset=i)
+            params = SamplingParams(max_tokens=3 + i % 4, ignore_eos=True)
             req, col = request(f"alone-{i}", prefiller.prefill(f"alone-{i}", ids, params), params)
             alone.submit(req)
             cases.append((ids, params, col.wait()))
@@ -95,26 +95,26 @@ def test_batched_greedy_equals_alone(engine, prefiller, ragged) -> None:
     assert stats["free_slots"] == 16 and stats["active"] == 0
 
 
-def test_chunked_prefill_equals_whole(engine_model, prefiller, ragged) -> None:
+def test_chunked_prefill_equals_whole(smollm, prefiller, ragged) -> None:
     ids, params, expected = ragged[-1]  # the longest prompt
-    chunked = PrefillEngine(engine_model, chunk_size=16)
+    chunked = PrefillEngine(smollm, chunk_size=16)
     seen = []
     pre = chunked.prefill("chunked", ids, params, on_layer=lambda i, k, v: seen.append((i, k.shape[1])))
     whole = prefiller.prefill("whole", ids, params)
-    assert seen == [(i, len(ids)) for i in range(engine_model.config.num_layers)]
+    assert seen == [(i, len(ids)) for i in range(smollm.config.num_layers)]
     assert pre.first_token == whole.first_token == expected[0]
     for (k1, v1), (k2, v2) in zip(pre.kv, whole.kv, strict=True):
         torch.testing.assert_close(k1.float(), k2.float(), atol=0.05, rtol=0.02)
         torch.testing.assert_close(v1.float(), v2.float(), atol=0.05, rtol=0.02)
-    with DecodeEngine(engine_model, num_slots=1, max_len=160, buckets=[160]) as eng:
+    with DecodeEngine(smollm, num_slots=1, max_len=160, buckets=[160]) as eng:
         req, col = request("chunked", pre, params)
         eng.submit(req)
         assert col.wait() == expected
 
 
-def test_seeded_sampling_reproducible_alone_and_in_a_batch(engine, prefiller, engine_model) -> None:
+def test_seeded_sampling_reproducible_alone_and_in_a_batch(engine, prefiller, smollm) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
-    ids = prompt(engine_model.tokenizer, 12)
+    ids = prompt(smollm.tokenizer, 12)
     runs = []
     for batch in (1, 3):
         cols = []
@@ -129,8 +129,8 @@ def test_seeded_sampling_reproducible_alone_and_in_a_batch(engine, prefiller, en
     assert runs[0] == runs[1]
 
 
-def test_stop_string_spanning_tokens(engine, prefiller, engine_model) -> None:
-    ids = prompt(engine_model.tokenizer, 10)
+def test_stop_string_spanning_tokens(engine, prefiller, smollm) -> None:
+    ids = prompt(smollm.tokenizer, 10)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     req, col = request("nostop", prefiller.prefill("nostop", ids, params), params)
     engine.submit(req)
@@ -146,9 +146,9 @@ def test_stop_string_spanning_tokens(engine, prefiller, engine_model) -> None:
     assert "".join(e.text for e in col2.events) == text[: text.index(stop)]
 
 
-def test_first_token_can_finish_without_loading_kv(engine, prefiller, engine_model) -> None:
+def test_first_token_can_finish_without_loading_kv(engine, prefiller, smollm) -> None:
     params = SamplingParams(max_tokens=1)
-    pre = prefiller.prefill("one", prompt(engine_model.tokenizer, 5), params)
+    pre = prefiller.prefill("one", prompt(smollm.tokenizer, 5), params)
 
     def never(cache, slot):
         raise AssertionError("load_kv must not run")
@@ -159,10 +159,10 @@ def test_first_token_can_finish_without_loading_kv(engine, prefiller, engine_mod
     assert col.final.finish_reason == "length"
 
 
-def test_eos_and_text_bookkeeping(engine_model) -> None:
-    tok = engine_model.tokenizer
-    eos = engine_model.config.eos_token_ids[0]
-    state = RequestState("k", SamplingParams(max_tokens=10), tok, engine_model.config.eos_token_ids)
+def test_eos_and_text_bookkeeping(smollm) -> None:
+    tok = smollm.tokenizer
+    eos = smollm.config.eos_token_ids[0]
+    state = RequestState("k", SamplingParams(max_tokens=10), tok, smollm.config.eos_token_ids)
     ids = tok.encode(" hello world")
     evs = [state.advance(t) for t in ids] + [state.advance(eos)]
     assert evs[-1].finished and evs[-1].finish_reason == "eos" and evs[-1].token_id == eos
@@ -171,7 +171,7 @@ def test_eos_and_text_bookkeeping(engine_model) -> None:
     assert not state2.advance(eos).finished
 
 
-def test_load_error_fails_only_that_request(engine, prefiller, engine_model, ragged) -> None:
+def test_load_error_fails_only_that_request(engine, prefiller, smollm, ragged) -> None:
     ids, params, expected = ragged[2]
 
     def broken(cache, slot):
@@ -187,16 +187,16 @@ def test_load_error_fails_only_that_request(engine, prefiller, engine_model, rag
     assert engine.stats()["free_slots"] == 16
 
 
-def test_queue_full_then_cancel_frees_everything(engine_model, prefiller) -> None:
+def test_queue_full_then_cancel_frees_everything(smollm, prefiller) -> None:
     gate = threading.Event()
     params = SamplingParams(max_tokens=100, ignore_eos=True)
-    pre = prefiller.prefill("q", prompt(engine_model.tokenizer, 4), params)
+    pre = prefiller.prefill("q", prompt(smollm.tokenizer, 4), params)
 
     def slow(cache, slot):
         gate.wait(30)
         cache.load_all(slot, pre.kv)
 
-    with DecodeEngine(engine_model, num_slots=1, max_len=128, buckets=[128], max_queue=1) as eng:
+    with DecodeEngine(smollm, num_slots=1, max_len=128, buckets=[128], max_queue=1) as eng:
         a, ca = request("a", pre, params, load_kv=slow)
         b, cb = request("b", pre, params)
         eng.submit(a)
@@ -218,25 +218,37 @@ def test_queue_full_then_cancel_frees_everything(engine_model, prefiller) -> Non
         assert eng.stats()["free_slots"] == 1
 
 
-def test_submit_errors(engine_model, prefiller) -> None:
-    pre = prefiller.prefill("e", prompt(engine_model.tokenizer, 4), GREEDY)
-    eng = DecodeEngine(engine_model, num_slots=1, max_len=64, buckets=[32, 64])
+def test_submit_errors_and_bucket_choice(smollm, prefiller) -> None:
+    short = prefiller.prefill("e", prompt(smollm.tokenizer, 4), GREEDY)
+    long = prefiller.prefill("f", prompt(smollm.tokenizer, 30), GREEDY)
+    eng = DecodeEngine(smollm, num_slots=2, max_len=64, buckets=[32, 64])
     with pytest.raises(RngdPdError, match="not running"):
-        eng.submit(request("x", pre, GREEDY)[0])
+        eng.submit(request("x", short, GREEDY)[0])
     with eng:
-        too_long = SamplingParams(max_tokens=61)
         with pytest.raises(ContextLengthError, match="64"):
-            eng.submit(request("x", pre, too_long)[0])
-        req, col = request("x", pre, SamplingParams(max_tokens=40, ignore_eos=True))
-        eng.submit(req)
-        assert len(col.wait()) == 40
+            eng.submit(request("x", short, SamplingParams(max_tokens=61))[0])
+        lengths = []
+
+        def load(pre):
+            def load_kv(cache, slot):
+                lengths.append(cache.max_len)
+                cache.load_all(slot, pre.kv)
+            return load_kv
+
+        cols = []
+        for key, pre in (("s", short), ("l", long)):
+            req, col = request(key, pre, SamplingParams(max_tokens=4, ignore_eos=True), load_kv=load(pre))
+            eng.submit(req)
+            cols.append(col)
+        assert [len(c.wait()) for c in cols] == [4, 4]
+        assert sorted(lengths) == [32, 64]  # each took the smallest bucket that holds it
         assert eng.stats()["buckets"] == {32: 0, 64: 0}
 
 
-def test_stop_gives_every_request_a_final_event(engine_model, prefiller) -> None:
+def test_stop_gives_every_request_a_final_event(smollm, prefiller) -> None:
     params = SamplingParams(max_tokens=50, ignore_eos=True)
-    pre = prefiller.prefill("s", prompt(engine_model.tokenizer, 4), params)
-    eng = DecodeEngine(engine_model, num_slots=1, max_len=64, buckets=[64])
+    pre = prefiller.prefill("s", prompt(smollm.tokenizer, 4), params)
+    eng = DecodeEngine(smollm, num_slots=1, max_len=64, buckets=[64])
     eng.start()
     cols = []
     for k in ("s1", "s2"):
@@ -260,12 +272,12 @@ def test_prefill_validation(prefiller) -> None:
         prefiller.prefill("p", [1, 2], SamplingParams(top_p=2.0))
 
 
-def test_colocated_generate_and_stream(engine_model, ragged) -> None:
+def test_colocated_generate_and_stream(smollm, ragged) -> None:
     ids, params, expected = ragged[5]
-    with ColocatedEngine(engine_model, num_slots=2, max_len=128, chunk_size=8) as eng:
+    with ColocatedEngine(smollm, num_slots=2, max_len=128, chunk_size=8) as eng:
         res = eng.generate(ids, params)
         assert res.token_ids == expected and res.finish_reason == "length"
-        assert res.text == engine_model.tokenizer.decode(expected)
+        assert res.text == smollm.tokenizer.decode(expected)
         stream = eng.stream(ids, SamplingParams(max_tokens=50, ignore_eos=True), key="early")
         next(stream)
         stream.close()  # closing the iterator cancels the request

@@ -11,6 +11,7 @@ functions here, with an install hint, so `import rngd_pd` works without it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import multiprocessing as mp
@@ -126,16 +127,63 @@ def register_arena(agent: Any, arena: np.ndarray) -> Any:
         raise TransportError(f"NIXL could not register a {arena.nbytes} byte host arena: {exc}") from exc
 
 
-def wait_xfer(agent: Any, handle: Any, deadline: float) -> None:
-    """Poll one transfer to completion; TransportError on failure or when the deadline passes."""
-    state = agent.check_xfer_state(handle)
-    while state == "PROC":
+def wait_xfer(agent: Any, handle: Any, deadline: float) -> str:
+    """Poll one transfer until it ends: "DONE", "ERR", or "TIMEOUT" if still running at `deadline`.
+
+    Spins (yielding the GIL) for the first ~100 us, then sleeps in short steps, so a waiting reader does
+    not take a whole core from the other processes on a small host.
+    """
+    spins = 0
+    while True:
+        try:
+            state = agent.check_xfer_state(handle)
+        except Exception:  # NIXL raises for a disconnected peer instead of returning ERR
+            return "ERR"
+        if state != "PROC":
+            return state
         if time.monotonic() > deadline:
-            raise TransportError("NIXL READ did not complete before the timeout")
-        time.sleep(0)
-        state = agent.check_xfer_state(handle)
-    if state != "DONE":
-        raise TransportError(f"NIXL READ failed (state {state})")
+            return "TIMEOUT"
+        spins += 1
+        time.sleep(0 if spins < 200 else 20e-6)
+
+
+class SlotAllocator:
+    """First-fit allocator of aligned byte ranges inside one arena; freed neighbours merge.
+
+    Not thread-safe: the transport calls it under its own lock. Offsets are multiples of `align`.
+    """
+
+    def __init__(self, size: int, align: int = 4096) -> None:
+        self.size, self.align = size, align
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, never adjacent
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free range of at least `nbytes` (rounded up to `align`), or None when full."""
+        need = max(self.align, -(-nbytes // self.align) * self.align)
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                self.used += need
+                return off
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give back a range returned by alloc(nbytes)."""
+        need = max(self.align, -(-nbytes // self.align) * self.align)
+        self.used -= need
+        i = bisect.bisect_left(self._free, (offset, 0))
+        start, end = offset, offset + need
+        if i < len(self._free) and self._free[i][0] == end:  # merge with the next free range
+            end += self._free.pop(i)[1]
+        if i > 0 and sum(self._free[i - 1]) == start:  # and with the previous one
+            start = self._free[i - 1][0]
+            i -= 1
+            self._free.pop(i)
+        self._free.insert(i, (start, end - start))
 
 
 # --- bare two-agent READ: the limit the transport is measured against ---------------------------------
@@ -151,6 +199,13 @@ def _bare_target(conn: Any, nbytes: int, env: Mapping[str, str] | None) -> None:
     conn.recv()  # the reader's "done"
     conn.close()
     os._exit(0)  # skip interpreter teardown of native NIXL state
+
+
+def _bare_wait(agent: Any, handle: Any) -> None:
+    state = wait_xfer(agent, handle, time.monotonic() + 60)
+    if state != "DONE":
+        raise TransportError(f"bare NIXL READ ended in state {state}")
+    handle.release()
 
 
 def _bare_reader(conn: Any, nbytes: int, blob_size: int, in_flight: int, repeats: int,
@@ -176,9 +231,9 @@ def _bare_reader(conn: Any, nbytes: int, blob_size: int, in_flight: int, repeats
                 raise TransportError("bare NIXL READ failed to post")
             pending.append(handle)
             if len(pending) >= in_flight:
-                wait_xfer(agent, pending.pop(0), time.monotonic() + 60)
+                _bare_wait(agent, pending.pop(0))
         for handle in pending:
-            wait_xfer(agent, handle, time.monotonic() + 60)
+            _bare_wait(agent, handle)
         times.append(time.perf_counter() - t0)
     expected = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
     conn.send((times[1:], bool(np.array_equal(arena, expected))))

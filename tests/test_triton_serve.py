@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -96,17 +97,22 @@ def test_print_command_and_devices(tmp_path: Path) -> None:
 def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
     require_tritonserver()
     repo = echo_repository(tmp_path)
-    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--kv-transport", "tcp", "--openai-port", "-1",
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--kv-transport", "tcp", "--openai-port", "0",
             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-timeout", "120"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("serve: triton http") or proc.poll() is not None:
+            if line.startswith(("serve: openai", "serve: stopped")) or proc.poll() is not None:
                 break
-        urls = re.search(r"http (\S+)\s+grpc (\S+)\s+metrics (\S+)", lines[-1])
-        assert urls, "".join(lines)
+        urls = re.search(r"http (\S+)\s+grpc (\S+)\s+metrics (\S+)", "".join(lines))
+        openai = re.search(r"serve: openai (http://\S+)/v1", lines[-1])
+        assert urls and openai, "".join(lines)
+        try:  # the front end answers (503: the echo repository has no `pd` model)
+            urllib.request.urlopen(f"{openai[1]}/health", timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503
         assert any("model config cpu" in ln for ln in lines)
         body = json.dumps({"input_ids": [9]}).encode()
         req = urllib.request.Request(f"{urls[1]}/v2/models/echo/generate_stream", body)
@@ -117,6 +123,8 @@ def test_serve_runs_until_sigterm_and_leaves_nothing(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "serve: stopped" in proc.stdout.read()
+        with pytest.raises(urllib.error.URLError):  # the front end stopped with it
+            urllib.request.urlopen(f"{openai[1]}/health", timeout=5)
         deadline = time.monotonic() + 5
         while processes_mentioning(str(repo)) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -158,6 +158,22 @@ def _start_frontend(args: argparse.Namespace, grpc_url: str) -> subprocess.Popen
                             stdin=subprocess.DEVNULL)
 
 
+def _wait_port(host: str, port: int, proc: subprocess.Popen, stop: threading.Event,
+               timeout: float = 120.0) -> bool:
+    """Wait until the front end accepts connections (False if it exited, a signal came, or timeout)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not stop.is_set() and time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex((host, port)) == 0:
+                return True
+        time.sleep(0.2)
+    print(f"serve: the OpenAI front end is not listening on {host}:{port}", flush=True)
+    return False
+
+
 def _wait_for_exit(children: Sequence[subprocess.Popen], stop: threading.Event) -> int:
     """Block until a signal arrives (0) or a child exits (its code, or 1)."""
     while not stop.wait(0.2):
@@ -214,7 +230,7 @@ def _serve(args: argparse.Namespace, server) -> int:
         print(f"serve: triton http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}",
               flush=True)
         frontend = _start_frontend(args, server.grpc_url)
-        if frontend is not None:
+        if frontend is not None and _wait_port(args.host, args.openai_port, frontend, stop):
             print(f"serve: openai http://{args.host}:{args.openai_port}/v1", flush=True)
         return _wait_for_exit([c for c in (server.proc, frontend) if c is not None], stop)
     finally:

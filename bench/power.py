@@ -166,12 +166,13 @@ class SampledMeter:
         return sum(watts[i] for i in self.indices)
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while True:  # at least one sample, even for a run shorter than the interval
             try:
                 self._samples.append(self.sample())
             except (OSError, subprocess.SubprocessError, LookupError) as e:
                 self._errors.append(str(e))
-            self._stop.wait(self.interval)
+            if self._stop.wait(self.interval):
+                return
 
     def start(self) -> None:
         self._t0 = time.monotonic()

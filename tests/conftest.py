@@ -14,3 +14,33 @@ def engine_model():
 
     torch.set_num_threads(2)
     return load_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm(engine_model):
+    """The embedded model as a LoadedModel (fp32 compute); the same object as engine_model."""
+    return engine_model
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """The transformers oracle on the same GGUF, fp32 (transformers is a test dependency only)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from rngd_pd.model import embedded_model_path
+
+    path = embedded_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer():
+    """transformers' tokenizer converted from the same GGUF (the tokenizer oracle)."""
+    transformers = pytest.importorskip("transformers")
+    from rngd_pd.model import embedded_model_path
+
+    path = embedded_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

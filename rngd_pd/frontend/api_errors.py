@@ -70,7 +70,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     kind = first.get("type", "")
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None  # the request's parameter (inner parts are union members, indices)
     if kind == "extra_forbidden":
         return bad_request(
             f"Unsupported parameter '{param}': this server does not implement it", param, UNSUPPORTED_CODE
@@ -80,7 +80,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if kind in ("json_invalid", "model_attributes_type") or not loc:
         return bad_request(f"The request body is not a valid JSON object: {first.get('msg')}")
     msg = first["msg"].removeprefix("Value error, ")
-    return bad_request(f"Invalid value for '{param}': {msg}", param, "invalid_value")
+    where = ".".join(p for p in loc if p.isidentifier() or p.isdigit())
+    return bad_request(f"Invalid value for '{where}': {msg}", param, "invalid_value")
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -36,7 +36,14 @@ from rngd_pd.frontend.schemas import (
 
 log = logging.getLogger("rngd_pd.frontend")
 _bearer = HTTPBearer(auto_error=False, description="Required when the server runs with --api-key")
-_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"}, "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+# One server-sent event: `data` is a JSON chunk (the response object with text deltas), an error
+# object, or the final "[DONE]".
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+_SSE_DOC = {"text/event-stream": {"schema": _SSE_EVENT, "example": "data: {...}\n\ndata: [DONE]\n\n"}}
 
 
 class Limiter:
@@ -133,7 +140,7 @@ def create_app(
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     install_handlers(app)
     _add_routes(app)
-    _tidy_openapi(app)
+    _tidy_openapi(app, secured=state.api_key is not None, limits=model)
     return app
 
 
@@ -182,8 +189,10 @@ def _add_routes(app: FastAPI) -> None:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _tidy_openapi(app: FastAPI) -> None:
-    """Drop FastAPI's default 422 entries: validation errors are answered as OpenAI-style 400s."""
+def _tidy_openapi(app: FastAPI, secured: bool, limits: ServedModel) -> None:
+    """Make the schema say what the app does: validation errors are OpenAI-style 400s (not 422), the
+    bearer scheme and 401s appear only when an API key is configured, `model` names the served model
+    (any other name is a 404), and token ids and max_tokens carry the model's bounds."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -192,12 +201,39 @@ def _tidy_openapi(app: FastAPI) -> None:
             for path in schema.get("paths", {}).values():
                 for op in path.values():
                     op.get("responses", {}).pop("422", None)
+                    if not secured:
+                        op.pop("security", None)
+                        op.get("responses", {}).pop("401", None)
+            if not secured:
+                schema.get("components", {}).pop("securitySchemes", None)
+            bodies = schema.get("components", {}).get("schemas", {})
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                props = bodies[name]["properties"]
+                props["model"]["enum"] = [limits.name]
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if key in props:
+                        _set_integer_bounds(props[key], maximum=limits.max_model_len - 1)
+            _set_integer_bounds(
+                bodies["CompletionRequest"]["properties"]["prompt"], maximum=limits.vocab_size - 1
+            )
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _set_integer_bounds(node: Any, maximum: int) -> None:
+    """Set `maximum` on every integer schema under `node` (pydantic cannot know runtime limits)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = maximum
+        for value in node.values():
+            _set_integer_bounds(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_integer_bounds(value, maximum)
 
 
 def run(config: FrontendConfig) -> None:

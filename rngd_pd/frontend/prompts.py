@@ -39,16 +39,9 @@ class ServedModel:
 
 
 def completion_prompt(model: ServedModel, prompt: str | list) -> list[int]:
-    """A completion prompt (string, token ids, or a batch of exactly one of either) -> token ids."""
+    """A completion prompt (string, token ids, or a batch of one of either) -> token ids."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per "
-                "request (send them as separate requests)",
-                "prompt",
-                "unsupported_parameter",
-            )
-        prompt = prompt[0]
+        prompt = prompt[0]  # the schema allows a batch of exactly one
     if isinstance(prompt, str):
         ids = model.tokenizer.encode(prompt)
     else:

@@ -2,13 +2,13 @@
 OpenAPI schema honest (schemathesis checks every response against it).
 
 Parameters the server does not implement are declared with their neutral value only (`n` = 1,
-`logprobs` null, penalties 0, ...): any other value is a 400 that names the parameter, and unknown
-parameters are refused too (`extra="forbid"`), so nothing is silently ignored.
+`logprobs` null, penalties 0, ...), in the schema too: any other value is a 400 that names the
+parameter, and unknown parameters are refused (`extra="forbid"`), so nothing is silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -48,6 +48,9 @@ def _refuse_unsupported(value: Any, name: str) -> Any:
     return value
 
 
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -67,27 +70,31 @@ class _GenerationRequest(_Strict):
         None, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = off."
     )
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings.")
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
-    n: int = 1
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Literal[1] = Field(1, description="Only 1 is supported.")
+    logprobs: Literal[False] | None = Field(None, description="Not supported (null or false).")
+    top_logprobs: Literal[0] | None = Field(None, description="Not supported (null or 0).")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Not supported (null or {}).")
+    presence_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
 
-    @field_validator("n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+    @field_validator(
+        "n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", mode="before"
+    )
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
         return _refuse_unsupported(value, info.field_name)
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else (value or [])
+    def _check_stop(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
         if any(not s for s in stops):
@@ -101,17 +108,34 @@ class _GenerationRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = NonEmpty | TokenIds
+
+
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
         description="A string or a list of token ids (a batch of one such prompt is accepted too)."
     )
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Literal[1] | None = Field(None, description="Not supported (null or 1).")
+    suffix: Literal[""] | None = Field(None, description="Not supported (null or empty).")
 
-    @field_validator("best_of", "suffix")
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if value in ("", [], [""], [[]]):
+            raise ValueError("the prompt is empty; give at least one character or token id")
+        if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+            raise PydanticCustomError(
+                UNSUPPORTED_CODE,
+                "'prompt' holds {n} prompts; this server takes one prompt per request",
+                {"n": len(value)},
+            )
+        return value
+
+    @field_validator("best_of", "suffix", mode="before")
     @classmethod
     def _neutral_only_completion(cls, value: Any, info: Any) -> Any:
         return _refuse_unsupported(value, info.field_name)
@@ -133,20 +157,30 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
+    tool_choice: Literal["none"] | None = Field(None, description='Not supported (null or "none").')
+    functions: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
+    function_call: Literal["none"] | None = Field(None, description='Not supported (null or "none").')
+    parallel_tool_calls: None = Field(None, description="Not supported.")
+    response_format: TextFormat | None = Field(None, description='Only {"type": "text"}.')
 
     @field_validator(
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format"
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+        mode="before",
     )
     @classmethod
     def _neutral_only_chat(cls, value: Any, info: Any) -> Any:

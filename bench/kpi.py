@@ -55,7 +55,9 @@ class DevicePeak:
 SPEC_PEAKS: dict[str, DevicePeak] = {
     "rngd": DevicePeak("rngd", 256.0, "bf16", "FuriosaAI RNGD spec sheet: 256 TFLOPS BF16 (512 FP8)"),
     "atom": DevicePeak(
-        "atom", 32.0, "fp16",
+        "atom",
+        32.0,
+        "fp16",
         "Rebellions ATOM spec sheet: 32 TFLOPS FP16 (128 TOPS INT8); it quotes no BF16 figure",
     ),
 }
@@ -133,14 +135,18 @@ def measure_cpu_tflops(seconds: float = 1.0, n: int = 1024, dtype: str = "float3
     return 2.0 * n**3 * count / elapsed / 1e12
 
 
-def card_peak(card: Card, peak_tflops: float | None = None, cpu_dtype: str = "float32") -> DevicePeak:
-    """The peak of one card: the override, the spec sheet (NPUs) or a measurement (CPU)."""
+def card_peak(
+    card: Card, peak_tflops: float | None = None, cpu_dtypes: Sequence[str] = ("float32", "bfloat16")
+) -> DevicePeak:
+    """The peak of one card: the override, the spec sheet (NPUs) or a measurement (CPU, best dtype)."""
     if peak_tflops is not None:
         return DevicePeak(card.device, peak_tflops, "given", "--peak-tflops")
     if card.device in SPEC_PEAKS:
         return SPEC_PEAKS[card.device]
-    tf = measure_cpu_tflops(dtype=cpu_dtype)
-    return DevicePeak("cpu", tf, cpu_dtype, f"measured: torch {cpu_dtype} matmul 1024^3, 1 s")
+    tf, dt = max((measure_cpu_tflops(dtype=d), d) for d in cpu_dtypes)
+    return DevicePeak(
+        "cpu", tf, dt, f"measured: best torch matmul 1024^3 of {'/'.join(cpu_dtypes)}, 1 s each"
+    )
 
 
 def total_peak(cards: Sequence[Card], peak_tflops: float | None = None) -> tuple[float, list[DevicePeak]]:
@@ -176,7 +182,9 @@ def field(row: dict[str, Any], name: str) -> float | None:
 
 
 def kpis(
-    row: dict[str, Any], cfg: ShapeLike, peak_tflops_total: float,
+    row: dict[str, Any],
+    cfg: ShapeLike,
+    peak_tflops_total: float,
     power: PowerReading | None = None,
 ) -> dict[str, Any]:
     """MFU, achieved TFLOP/s, watts and tokens/J for one load_gen summary row."""
@@ -200,8 +208,11 @@ def kpis(
 def power_fields(power: PowerReading | None, tok_s: float) -> dict[str, Any]:
     """power_w / tok_per_j when a reading exists, else the reason it does not."""
     if power is None or power.watts is None:
-        return {"power_w": None, "tok_per_j": None,
-                "power_source": power.note if power else "not measured (no command was run under the meter)"}
+        return {
+            "power_w": None,
+            "tok_per_j": None,
+            "power_source": power.note if power else "not measured (no command was run under the meter)",
+        }
     return {
         "power_w": power.watts,
         "tok_per_j": tok_s / power.watts if power.watts > 0 else None,
@@ -233,6 +244,7 @@ def load_model_config(path: str | None) -> ShapeLike:
 
 def format_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
     """A plain text table; floats with 3 significant digits, missing values as '-'."""
+
     def cell(v: Any) -> str:
         if v is None:
             return "-"
@@ -247,15 +259,17 @@ def format_table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
 
 def _peaks_table(cards: Sequence[Card], peak: float | None) -> str:
     _, peaks = total_peak(cards, peak)
-    rows = [{"card": str(c), "tflops": p.tflops, "dtype": p.dtype, "source": p.source}
-            for c, p in zip(cards, peaks, strict=True)]
+    rows = [
+        {"card": str(c), "tflops": p.tflops, "dtype": p.dtype, "source": p.source}
+        for c, p in zip(cards, peaks, strict=True)
+    ]
     return format_table(rows, ["card", "tflops", "dtype", "source"])
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI over load_gen JSON lines (a file, stdin, or a command run under the power meter)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    cmd = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cards", default="cpu:0", help="cards the configuration uses, e.g. rngd:0,atom:0")
@@ -288,8 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
     else:
-        print(format_table(rows, ["cards", "output_tok_s", "model_tflops", "peak_tflops", "mfu",
-                                  "power_w", "tok_per_j", "power_source"]))
+        print(
+            format_table(
+                rows,
+                [
+                    "cards",
+                    "output_tok_s",
+                    "model_tflops",
+                    "peak_tflops",
+                    "mfu",
+                    "power_w",
+                    "tok_per_j",
+                    "power_source",
+                ],
+            )
+        )
     return 0
 
 

@@ -216,7 +216,7 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
     if a.trace is not None and not a.trace.exists():
         write_trace(a.trace, mixed_trace(a.trace_requests, a.trace_rate, seed=0))
     cfg = kpi.load_model_config(None)
-    peak = a.peak_tflops if a.peak_tflops else kpi.measure_cpu_tflops()
+    peak, _ = kpi.total_peak([kpi.Card("cpu", 0)], a.peak_tflops)
     rows: list[dict[str, Any]] = []
     ours = [s for s in a.systems if s in ("pd", "colocated")]
     groups: list[tuple[str, ...]] = ([tuple(ours)] if ours else []) + [
@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `rngd-pd serve` argument")
     ap.add_argument("--pd-cards", default="cpu:0", help="cards PD uses (production: rngd:0,atom:0)")
     ap.add_argument("--colocated-cards", default="cpu:0")
-    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--peak-tflops", type=float, help="peak per card (default: measure the CPU)")
     ap.add_argument("--point-timeout", type=float, default=900.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / time.strftime("sweep-%Y%m%d-%H%M%S"))

@@ -8,7 +8,7 @@ concurrent requests, chosen with --batching:
 * `cb`: transformers' own continuous batching manager (paged KV cache, one scheduler thread), the
   strongest HF configuration; greedy only.
 
-    python bench/peers/hf_server.py --port 9100 --dtype float32 --batching serial
+    python bench/peers/hf_server.py --port 9100 --dtype bfloat16 --batching serial
 """
 
 from __future__ import annotations
@@ -53,13 +53,19 @@ def embedded_gguf() -> Path:
 
 
 def load(gguf: Path, dtype: str) -> tuple[Any, Any]:
-    """(tokenizer, model) from a GGUF file, dequantized to `dtype`."""
+    """(tokenizer, model) from a GGUF file, dequantized to dense `dtype` weights."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import GgufConfig
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=getattr(torch, dtype))
+    # Dense weights: transformers would otherwise keep the Q4_1 blocks and unpack them in every matmul.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=getattr(torch, dtype),
+        quantization_config=GgufConfig(dequantize=True),
+    )
     return tok, model.eval()
 
 
@@ -87,8 +93,11 @@ class SerialBackend:
             def end(self) -> None:
                 pass
 
-        kw: dict[str, Any] = {"max_new_tokens": req.max_tokens, "do_sample": req.temperature > 0,
-                              "pad_token_id": self.tok.eos_token_id}
+        kw: dict[str, Any] = {
+            "max_new_tokens": req.max_tokens,
+            "do_sample": req.temperature > 0,
+            "pad_token_id": self.tok.eos_token_id,
+        }
         if req.ignore_eos:
             kw["min_new_tokens"] = req.max_tokens
         if req.temperature > 0:
@@ -104,6 +113,7 @@ class SerialBackend:
     async def stream(self, req: GenRequest) -> AsyncIterator[int]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[int | None] = asyncio.Queue()
+
         def push(v: int | None) -> None:
             loop.call_soon_threadsafe(q.put_nowait, v)
 
@@ -130,8 +140,13 @@ class CBBackend:
         q: asyncio.Queue[Any] = asyncio.Queue()
         rid = uuid.uuid4().hex
         self.manager.register_result_handler(rid, q.put_nowait)
-        self.manager.add_request(req.prompt_ids, request_id=rid, max_new_tokens=req.max_tokens,
-                                 streaming=True, eos_token_id=-1 if req.ignore_eos else None)
+        self.manager.add_request(
+            req.prompt_ids,
+            request_id=rid,
+            max_new_tokens=req.max_tokens,
+            streaming=True,
+            eos_token_id=-1 if req.ignore_eos else None,
+        )
         sent = 0
         while True:
             out = await q.get()
@@ -163,8 +178,9 @@ def build_app(backend: Any, tokenizer: Any) -> Any:
 
     def parse(body: dict[str, Any], chat: bool) -> GenRequest:
         if chat:
-            text = tokenizer.apply_chat_template(body.get("messages") or [], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                body.get("messages") or [], tokenize=False, add_generation_prompt=True
+            )
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             p = body.get("prompt")
@@ -172,9 +188,15 @@ def build_app(backend: Any, tokenizer: Any) -> Any:
             ids = ids if ids is not None else tokenizer.encode(str(p or ""), add_special_tokens=False)
         if not ids:
             raise HTTPException(400, "the prompt is empty")
-        return GenRequest(ids, int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
-                          bool(body.get("ignore_eos", False)), float(body.get("temperature", 1.0) or 0.0),
-                          float(body.get("top_p", 1.0)), int(body.get("top_k", 0) or 0), body.get("seed"))
+        return GenRequest(
+            ids,
+            int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
+            bool(body.get("ignore_eos", False)),
+            float(body.get("temperature", 1.0) or 0.0),
+            float(body.get("top_p", 1.0)),
+            int(body.get("top_k", 0) or 0),
+            body.get("seed"),
+        )
 
     async def generate(req: GenRequest) -> AsyncIterator[tuple[int, str]]:
         ids: list[int] = []
@@ -184,7 +206,7 @@ def build_app(backend: Any, tokenizer: Any) -> Any:
                 break
             ids.append(t)
             full = tokenizer.decode(ids, skip_special_tokens=True)
-            delta, text = (full[len(text):], full) if not full.endswith("\ufffd") else ("", text)
+            delta, text = (full[len(text) :], full) if not full.endswith("\ufffd") else ("", text)
             yield t, delta
 
     async def handle(request: Request, chat: bool) -> Any:
@@ -210,12 +232,21 @@ def build_app(backend: Any, tokenizer: Any) -> Any:
         parts = [d async for _, d in generate(req)]
         n, text = len(parts), "".join(parts)
         finish = "length" if n >= req.max_tokens else "stop"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": text, "finish_reason": finish})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": MODEL_NAME, "choices": [choice],
-                             "usage": {**usage, "completion_tokens": n,
-                                       "total_tokens": usage["prompt_tokens"] + n}})
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish}
+        )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": MODEL_NAME,
+                "choices": [choice],
+                "usage": {**usage, "completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n},
+            }
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -240,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     """Load the model and serve until killed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
-    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batching", default="serial", choices=["serial", "cb"])
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--host", default="127.0.0.1")

@@ -153,3 +153,33 @@ def test_server_dies_with_a_killed_serve(tmp_path: Path) -> None:
         assert processes_mentioning(str(repo)) == []
     finally:
         stop_and_reap(proc, repo)
+
+
+@pytest.mark.e2e
+def test_sigterm_while_models_load_stops_at_once(tmp_path: Path) -> None:
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param", "init_delay_s=60",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any("echo/1/model.py" in c for c in _stub_cmdlines(repo)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the echo stub never started"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(40) == 0
+        assert time.monotonic() - t0 < 40  # not the 60 s the model takes to load
+        assert "serve: ready" not in proc.stdout.read()
+    finally:
+        stop_and_reap(proc, repo)
+    assert processes_mentioning(str(repo)) == []
+
+
+def _stub_cmdlines(repo: Path) -> list[str]:
+    out = []
+    for pid in processes_mentioning(str(repo)):
+        with contextlib.suppress(OSError):
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return out

@@ -10,7 +10,6 @@ SIGTERM stops everything it started (each child runs in its own process group, s
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -130,17 +129,6 @@ def _frontend_argv(args: argparse.Namespace, grpc_url: str) -> list[str]:
     return argv + (["--model", args.model] if args.model else [])
 
 
-def _stop_group(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-
-
 def _start_frontend(args: argparse.Namespace, grpc_url: str) -> subprocess.Popen | None:
     """The OpenAI front end as a child process (`rngd-pd frontend`), or None when unavailable/disabled."""
     import importlib.util
@@ -213,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, server) -> int:
-    from rngd_pd.triton.server import TritonServerError
+    from rngd_pd.triton.server import TritonServerError, stop_process_group
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -222,10 +210,10 @@ def _serve(args: argparse.Namespace, server) -> int:
         t0 = time.monotonic()
         server.start()
         try:
-            server.wait_ready(args.ready_timeout)
+            server.wait_ready(args.ready_timeout, cancel=stop)
         except TritonServerError as exc:
             print(f"serve: {exc}", file=sys.stderr)
-            return 1
+            return 0 if stop.is_set() else 1
         print(f"serve: ready in {time.monotonic() - t0:.1f} s", flush=True)
         print(f"serve: triton http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}",
               flush=True)
@@ -234,7 +222,8 @@ def _serve(args: argparse.Namespace, server) -> int:
             print(f"serve: openai http://{args.host}:{args.openai_port}/v1", flush=True)
         return _wait_for_exit([c for c in (server.proc, frontend) if c is not None], stop)
     finally:
-        _stop_group(frontend)
+        if frontend is not None:
+            stop_process_group(frontend, grace_s=10.0)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -298,12 +299,18 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
 
-    def wait_ready(self, timeout: float = 120.0, models: Sequence[str] = ()) -> float:
-        """Block until ready (every model in `models` too); returns the seconds waited."""
+    def wait_ready(self, timeout: float = 120.0, models: Sequence[str] = (),
+                   cancel: threading.Event | None = None) -> float:
+        """Block until ready (every model in `models` too); returns the seconds waited.
+
+        Raises TritonServerError when the server exits, the timeout passes or `cancel` is set.
+        """
         if self.proc is None:
             raise TritonServerError("wait_ready() before start()")
         t0 = time.monotonic()
         while True:
+            if cancel is not None and cancel.is_set():
+                raise TritonServerError("interrupted while waiting for tritonserver to become ready")
             code = self.proc.poll()
             if code is not None:
                 raise self._fail(f"tritonserver exited with code {code} before it was ready")
@@ -316,27 +323,32 @@ class TritonServer:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent. Returns the exit code."""
-        proc = self.proc
-        if proc is None:
+        if self.proc is None:
             return None
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        _signal_group(proc.pid, signal.SIGKILL)  # stubs left behind by a crashed server
+        code = stop_process_group(self.proc, grace_s)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        return proc.returncode
+        return code
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
+    """SIGTERM the group `proc` leads, SIGKILL it after `grace_s`, then SIGKILL any leftover member."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    _signal_group(proc.pid, signal.SIGKILL)  # children left behind (stubs of a crashed server)
+    return proc.returncode
 
 
 def _die_with_parent() -> None:

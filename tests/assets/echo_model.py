@@ -19,12 +19,14 @@ SPEC = ModelSpec("echo", (TensorSpec("input_ids", "INT32", (-1,)),), TOKEN_OUTPU
 @dataclass(frozen=True)
 class EchoParams(params.ServingParams):
     delay_ms: float = params.param(0.0, help="sleep before each token")
+    init_delay_s: float = params.param(0.0, help="sleep in initialize (a slow model load)")
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         self.params = params.parse_params(EchoParams, args["model_config"])
         self.metrics = metrics.triton_metrics(args["model_name"])
+        time.sleep(self.params.init_delay_s)
         pbutils.log(f"echo: {params.describe(self.params)}")
 
     def execute(self, requests: list) -> None:

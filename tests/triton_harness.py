@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,9 @@ def triton_server(repository: str | Path, config_name: str | None = None,
         server.start()
         server.wait_ready(timeout, models)
         yield server
+    except BaseException:
+        sys.stderr.write(f"--- tritonserver log (errors and tail) ---\n{server.log_tail(60)}\n")
+        raise
     finally:
         server.stop()
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import hashlib
 import itertools
 import json
@@ -28,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ import numpy as np
 
 from rngd_pd.errors import TransportCapacityError, TransportError, TransportIntegrityError
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
+from rngd_pd.kv.protocol import ConformanceCase
 from rngd_pd.kv.tcp import RelayClient, crc_from_env
 from rngd_pd.kv.ucx import SlotAllocator, alloc_arena, apply_ucx_env, process_agent, register_arena, wait_xfer
 
@@ -168,7 +171,7 @@ class _Endpoint:
     def remote(self, name: str, metadata_b64: str, key: str) -> str:
         """Add a remote agent the first time we see it (its metadata travels in the descriptor)."""
         with self.lock:
-            if name in self.remotes:
+            if name in self.remotes or name == self.agent.name:  # ourselves: a loopback READ
                 return name
             try:
                 added = self.agent.add_remote_agent(base64.b64decode(metadata_b64))
@@ -347,3 +350,34 @@ class NixlUcxTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def conformance_case(cls) -> Iterator[ConformanceCase]:
+        """Relays on free loopback ports (one with a 0.5 s TTL for the expiry case), 256 MiB arenas.
+
+        A blob counts as stored while its slot is held in this process or its descriptor is in a relay.
+        """
+        from rngd_pd.kv.relayproc import start_relay
+
+        with contextlib.ExitStack() as stack:
+            relay = stack.enter_context(start_relay())
+            ttl_relay = stack.enter_context(start_relay("127.0.0.1", 0, "--ttl-s", "0.5"))
+            probes = [stack.enter_context(RelayClient(r.addr)) for r in (relay, ttl_relay)]
+
+            def stored_blobs(key: str) -> int:
+                slots = _endpoint.held(key)[0] if _endpoint else 0
+                return max(slots, sum(p.stat(key)["key_blobs"] for p in probes))
+
+            yield ConformanceCase(
+                options={"addr": relay.addr, "pool_mb": 256}, env={"AIRM_KV_TCP_ADDR": relay.addr},
+                ttl_s=0.5, ttl_options={"addr": ttl_relay.addr, "ttl_s": 0.5}, corrupt=_corrupt_slot,
+                stored_blobs=stored_blobs, stored_bytes=lambda: _endpoint.held()[1] if _endpoint else 0)
+
+
+def _corrupt_slot(t: NixlUcxTransport, key: str, index: int, data: bytes) -> None:
+    """Push `data`, then flip one byte of its arena slot after the checksum was published."""
+    t.push(key, index, data)
+    with t.ep.lock:
+        slot = [s for s in t.ep.slots.values() if s.key == key][-1]
+        t.ep.arena[slot.offset] ^= 0xFF

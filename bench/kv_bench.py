@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -189,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     seqs = (512,) if args.quick else (512, 2048)
     reps = args.reps or (3 if args.quick else 5)
     names = [n for n in args.transports.split(",") if n != "nixl-ucx" or _nixl_importable()]
-    rows = []
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout; keep --json parseable
+    if not args.json:
+        print(HEAD, flush=True)
     with contextlib.ExitStack() as stack:
         relay = None
         if ("tcp" in names or "nixl-ucx" in names) and not os.environ.get("AIRM_KV_TCP_ADDR"):
@@ -197,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
             relay = stack.enter_context(start_relay("127.0.0.1", 0, "--max-mb", "8192")).addr
         for seq in seqs:
-            rows += bench_seq(seq, names, reps, relay)
-    emit(rows, args.json)
+            bench_seq(seq, names, reps, relay, lambda row: emit(row, args.json))
     return 0
 
 
@@ -216,28 +218,36 @@ def measure_limit(name: str, seq: int, in_flight: int, reps: int) -> float | Non
     return None
 
 
-def bench_seq(seq: int, names: list[str], reps: int, relay: str | None) -> list[dict]:
+def bench_seq(seq: int, names: list[str], reps: int, relay: str | None, out: Callable[[dict], None]) -> None:
     """Each transport row with its limit measured right before it (the load here varies minute to minute)."""
-    rows, limits = [], []
+    limits = []
     for name in names:
         opts = {"addr": relay} if name in ("tcp", "nixl-ucx") and relay else {}
         for in_flight in (1, 8):
+            need = 3 * blob_bytes(seq) * 2 * LAYERS * in_flight  # sender's store + receiver's buffers + relay
+            if need > available_bytes() // 2:
+                progress(f"{name} S={seq} x{in_flight} skipped: needs ~{need / 1e9:.1f} GB, "
+                         f"{available_bytes() / 1e9:.1f} GB available")
+                continue
             progress(f"S={seq} x{in_flight}: limit for {name}")
             lim = measure_limit(name, seq, in_flight, reps)
-            row = run_transport(name, opts, seq, in_flight, reps)
+            try:
+                row = run_transport(name, opts, seq, in_flight, reps)
+            except Exception as e:  # one broken transport must not hide the others' rows
+                progress(f"{name} S={seq} x{in_flight} failed: {e!r}")
+                continue
             row.update(limit=LIMITS.get(name, "?"), limit_gbps=round(lim, 3) if lim else None,
                        ratio=round(row["gbps"] / lim, 3) if lim else None)
-            rows.append(row)
+            out(row)
             if lim and name != "nixl-ucx":
                 limits.append((LIMITS[name], lim))
     nbytes = blob_bytes(seq) * 2 * LAYERS
     for lim_name in dict(limits):
         best = max(v for n, v in limits if n == lim_name)
         ms = round(nbytes / best / 1e6, 2)
-        rows.append({"transport": f"limit:{lim_name}", "seq": seq, "bytes": nbytes, "in_flight": 1,
-                     "ms": ms, "ms_per_request": ms, "gbps": round(best, 3), "limit": lim_name,
-                     "limit_gbps": round(best, 3), "ratio": 1.0})
-    return rows
+        out({"transport": f"limit:{lim_name}", "seq": seq, "bytes": nbytes, "in_flight": 1,
+             "ms": ms, "ms_per_request": ms, "gbps": round(best, 3), "limit": lim_name,
+             "limit_gbps": round(best, 3), "ratio": 1.0})
 
 
 def _nixl_importable() -> bool:
@@ -250,20 +260,29 @@ def _nixl_importable() -> bool:
     return True
 
 
-def emit(rows: list[dict], as_json: bool) -> None:
+HEAD = (f"{'transport':14} {'S':>5} {'in_flight':>9} {'MB':>7} {'ms':>9} {'ms/req':>8} {'GB/s':>7} "
+        f"{'limit':>10} {'lim GB/s':>8} {'ratio':>6}")
+
+
+def emit(row: dict, as_json: bool) -> None:
+    """Print one row as soon as it exists (a long run killed half-way keeps what it measured)."""
     if as_json:
-        for r in rows:
-            print(json.dumps(r))
+        print(json.dumps(row), flush=True)
         return
-    head = f"{'transport':14} {'S':>5} {'in_flight':>9} {'MB':>7} {'ms':>9} {'ms/req':>8} {'GB/s':>7} " \
-           f"{'limit':>10} {'lim GB/s':>8} {'ratio':>6}"
-    print(head)
-    for r in rows:
-        lim = f"{r['limit_gbps']:.2f}" if r.get("limit_gbps") else "-"
-        ratio = f"{r['ratio']:.2f}" if r.get("ratio") else "-"
-        print(f"{r['transport']:14} {r['seq']:>5} {r['in_flight']:>9} {r['bytes'] / 1e6:>7.1f} "
-              f"{r['ms']:>9.1f} {r['ms_per_request']:>8.1f} {r['gbps']:>7.2f} {r['limit']:>10} "
-              f"{lim:>8} {ratio:>6}")
+    lim = f"{row['limit_gbps']:.2f}" if row.get("limit_gbps") else "-"
+    ratio = f"{row['ratio']:.2f}" if row.get("ratio") else "-"
+    print(f"{row['transport']:14} {row['seq']:>5} {row['in_flight']:>9} {row['bytes'] / 1e6:>7.1f} "
+          f"{row['ms']:>9.1f} {row['ms_per_request']:>8.1f} {row['gbps']:>7.2f} {row['limit']:>10} "
+          f"{lim:>8} {ratio:>6}", flush=True)
+
+
+def available_bytes() -> int:
+    """MemAvailable: rows that would need more than half of it are skipped (this host is shared)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
 
 
 if __name__ == "__main__":

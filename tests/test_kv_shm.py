@@ -159,3 +159,19 @@ def test_close_removes_the_pool(root):
     t.close()
     t.close()
     assert os.listdir(os.path.join(root, "pool")) == []
+
+
+def test_reader_mappings_of_dead_slots_are_dropped(root, monkeypatch):
+    monkeypatch.setattr(shm._MapCache, "PRUNE_EVERY_S", 0.0)
+    with ShmTransport(root=root) as reader:
+        writer = ShmTransport(root=root)
+        writer.push("k", 0, b"x" * 4096)
+        reader.pull("k", 0, bytearray(4096), 1.0)
+        assert len(reader._maps.maps) == 1
+        reader.release("k")
+        writer.close()  # its slot files lose their last name
+        writer2 = ShmTransport(root=root)
+        writer2.push("k2", 0, b"y")
+        reader.pull("k2", 0, bytearray(1), 1.0)  # a new mapping triggers the prune
+        assert len(reader._maps.maps) == 1 and reader._maps.total == 1 + shm.TRAILER.size
+        writer2.close()

@@ -190,3 +190,23 @@ def test_relay_config_from_env(monkeypatch):
     monkeypatch.setenv("AIRM_KV_TCP_SECRET", "abc")
     cfg = config_from_env(max_bytes=10)
     assert (cfg.ttl_s, cfg.secret, cfg.max_bytes) == (7.5, b"abc", 10)
+
+
+def test_relay_dies_with_the_process_that_started_it():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from rngd_pd.kv.relayproc import start_relay; r = start_relay(); "
+            "print(r.proc.pid, flush=True); import os; os._exit(0)")
+    pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, timeout=60).stdout)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError("the relay outlived its parent")

@@ -323,6 +323,7 @@ class ShmTransport:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+        self._maps.clear()
 
     def __enter__(self) -> ShmTransport:
         return self
@@ -348,32 +349,55 @@ class ShmTransport:
 
 
 class _MapCache:
-    """Read-only mappings of blob files by inode, so a recycled slot is not mapped (faulted) again."""
+    """Read-only mappings of blob files by inode, so a recycled slot is not mapped (faulted) again.
+
+    Each entry keeps its file open; a file whose last name is gone (its writer closed or shrank its
+    pool) is dropped at the next prune, so the cache never pins memory nobody can reach.
+    """
+
+    PRUNE_EVERY_S = 1.0
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()
         self.total = 0
         self.lock = threading.Lock()
+        self.pruned = time.monotonic()
 
     def view(self, fd: int) -> np.ndarray:
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino)
         with self.lock:
-            arr = self.maps.get(ident)
-            if arr is not None and len(arr) == st.st_size:
+            hit = self.maps.get(ident)
+            if hit is not None and len(hit[1]) == st.st_size:
                 self.maps.move_to_end(ident)
-                return arr
-        m = mmap.mmap(fd, st.st_size, flags=_MAP, prot=mmap.PROT_READ)
-        arr = np.frombuffer(m, np.uint8)
+                return hit[1]
+        arr = np.frombuffer(mmap.mmap(fd, st.st_size, flags=_MAP, prot=mmap.PROT_READ), np.uint8)
         with self.lock:
-            old = self.maps.pop(ident, None)
-            self.total += len(arr) - (len(old) if old is not None else 0)
-            self.maps[ident] = arr
+            self._forget(ident)
+            self.maps[ident] = (os.dup(fd), arr)
+            self.total += len(arr)
             while self.total > self.max_bytes and len(self.maps) > 1:
-                _, gone = self.maps.popitem(last=False)  # unmapped once no pull uses it
-                self.total -= len(gone)
+                self._forget(next(iter(self.maps)))
+            if time.monotonic() - self.pruned > self.PRUNE_EVERY_S:
+                self._prune()
         return arr
+
+    def _forget(self, ident: tuple[int, int]) -> None:
+        entry = self.maps.pop(ident, None)
+        if entry is not None:
+            os.close(entry[0])
+            self.total -= len(entry[1])  # unmapped once no pull uses it
+
+    def _prune(self) -> None:
+        self.pruned = time.monotonic()
+        for ident in [i for i, (fd, _) in self.maps.items() if os.fstat(fd).st_nlink == 0]:
+            self._forget(ident)
+
+    def clear(self) -> None:
+        with self.lock:
+            for ident in list(self.maps):
+                self._forget(ident)
 
 
 def linked_bytes(root: str) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rngd_pd.errors import TransportCapacityError, TransportIntegrityError, TransportTimeoutError
-from rngd_pd.kv import shm
+from rngd_pd.kv import shm, shmpool
 from rngd_pd.kv.shm import ShmTransport, linked_bytes, safe_name
 
 
@@ -86,7 +86,7 @@ def test_enospc_is_a_capacity_error_leaving_nothing(root, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with ShmTransport(root=root) as t:
-        monkeypatch.setattr(shm.os, "posix_fallocate", full)
+        monkeypatch.setattr(shmpool.os, "posix_fallocate", full)
         with pytest.raises(TransportCapacityError, match="/dev/shm is full"):
             t.push("k", 0, b"x" * 4096)
         pool_dir = t._pool.dir
@@ -162,7 +162,7 @@ def test_close_removes_the_pool(root):
 
 
 def test_reader_mappings_of_dead_slots_are_dropped(root, monkeypatch):
-    monkeypatch.setattr(shm._MapCache, "PRUNE_EVERY_S", 0.0)
+    monkeypatch.setattr(shmpool.MapCache, "PRUNE_EVERY_S", 0.0)
     with ShmTransport(root=root) as reader:
         writer = ShmTransport(root=root)
         writer.push("k", 0, b"x" * 4096)

@@ -3,7 +3,8 @@
 B requests (prompt-len tokens each, already prefilled) are submitted at once to an engine with B
 slots; the clock runs from the first submit to the last final event, so the figure includes the
 scheduler, KV loading into slots, sampling, detokenizing and the per-token callbacks, not only the
-model's decode_step (bench/engine_bench.py measures that alone).
+model's decode_step. "model ms" is the time inside decode_step, "host ms" the time the scheduler spent
+sampling, detokenizing and emitting (its share of the wall time is the engine's own cost).
 
     .venv/bin/python bench/decode_engine_bench.py --batches 1,4,16 [--json]
 """
@@ -43,6 +44,7 @@ def run_batch(loaded, pre, batch: int, max_tokens: int, kv_dtype: torch.dtype) -
 
     with DecodeEngine(loaded, num_slots=batch, max_len=max_len, kv_dtype=kv_dtype, buckets=[max_len]) as eng:
         for warm in (True, False):
+            before = eng.stats()
             counts[:] = [0] * batch
             t0 = time.perf_counter()
             for i in range(batch):
@@ -52,11 +54,14 @@ def run_batch(loaded, pre, batch: int, max_tokens: int, kv_dtype: torch.dtype) -
             for _ in range(batch):
                 done.acquire()
             wall = time.perf_counter() - t0
-        steps = eng.stats()["steps"]
+        after = eng.stats()
     tokens = sum(counts)
+    model_ms, host_ms = ((after[k] - before[k]) * 1e3 for k in ("model_s", "host_s"))
     return {"phase": "decode_engine", "batch": batch, "prompt_tokens": pre.num_tokens,
             "tokens": tokens, "ms": round(wall * 1e3, 1), "tok_s": round(tokens / wall, 1),
-            "ms_per_step": round(wall * 1e3 / max(1, max_tokens - 1), 2), "steps_total": steps}
+            "ms_per_step": round(wall * 1e3 / max(1, max_tokens - 1), 2),
+            "steps": after["steps"] - before["steps"], "model_ms": round(model_ms, 1),
+            "host_ms": round(host_ms, 1), "host_share": round(host_ms / (wall * 1e3), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"{'batch':>5} {'tokens':>7} {'wall ms':>9} {'tok/s':>8} {'ms/step':>8} {'x first':>8}")
+    print(f"{'batch':>5} {'tokens':>7} {'wall ms':>9} {'tok/s':>8} {'ms/step':>8} {'model ms':>9} "
+          f"{'host ms':>8} {'host %':>7} {'x first':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['tokens']:>7} {r['ms']:>9} {r['tok_s']:>8} {r['ms_per_step']:>8} "
-              f"{r['speedup_vs_first']:>8}")
+              f"{r['model_ms']:>9} {r['host_ms']:>8} {r['host_share']:>7.1%} {r['speedup_vs_first']:>8}")
     return 0
 
 

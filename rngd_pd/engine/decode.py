@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -134,6 +135,7 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "rejected": 0}
+        self._times = {"model_s": 0.0, "host_s": 0.0}  # in decode_step / sampling + emitting
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -218,6 +220,7 @@ class DecodeEngine:
                 "buckets": {b.max_len: len(b.active) for b in self.buckets},
                 "kv_cache_bytes": sum(b.cache.nbytes for b in self.buckets),
                 **self._counters,
+                **{k: round(v, 4) for k, v in self._times.items()},
             }
 
     # ---- submission bookkeeping ----------------------------------------------------------------
@@ -325,6 +328,7 @@ class DecodeEngine:
     def _step(self, b: _Bucket) -> None:
         """One batched decode step over the bucket's active slots, then sample, emit, retire."""
         rows = [b.active[s] for s in sorted(b.active)]
+        t0 = time.perf_counter()
         tokens, positions, slots = b.step_inputs(rows)
         try:
             logits = self.model.decode_step(tokens, positions, b.cache, slots)
@@ -335,9 +339,7 @@ class DecodeEngine:
                 err = RngdPdError(f"decode step failed: {ex!r}", key=e.req.key)
                 self._retire(e, e.state.final(FINISH_ERROR, err))
             return
-        with self._lock:
-            self._counters["steps"] += 1
-            self._counters["tokens"] += len(rows)
+        t1 = time.perf_counter()
         for i, e in enumerate(rows):
             try:
                 tok = greedy[i] if e.sampler.greedy else e.sampler.sample(logits[i])
@@ -352,6 +354,11 @@ class DecodeEngine:
                 self._retire(e, ev)
             else:
                 self._emit(e, ev)
+        with self._lock:
+            self._counters["steps"] += 1
+            self._counters["tokens"] += len(rows)
+            self._times["model_s"] += t1 - t0
+            self._times["host_s"] += time.perf_counter() - t1
 
     def _retire(self, e: _Entry, ev: TokenEvent) -> None:
         """Free the slot at once, then send the request's one final event."""

@@ -1,0 +1,149 @@
+"""e2e: the OpenAI front end over a real tritonserver running the real repository (pd, prefill, decode,
+colocated; shm transport), driven by the official openai SDK. Greedy text must equal the in-process
+ColocatedEngine's; a client that goes away must free the decode slot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from rngd_pd.frontend.app import create_app
+from rngd_pd.frontend.config import FrontendConfig
+from tests import e2e_support as E
+from tests.frontend_fakes import serve_app, wait_for
+from tests.triton_harness import triton_server
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+N = 24  # tokens per greedy comparison
+
+
+@pytest.fixture(scope="module")
+def triton() -> Iterator:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-fe-shm-", dir=base)
+    repo = E.subset_repository(["pd", "prefill", "decode", "colocated"])
+    try:
+        with triton_server(repo, "cpu", {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root}) as server:
+            yield server
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served():
+    from rngd_pd.frontend.served_model import load_served_model
+
+    return load_served_model(FrontendConfig())
+
+
+@pytest.fixture(scope="module")
+def url(triton, served) -> Iterator[str]:
+    with serve_app(create_app(FrontendConfig(triton_url=triton.grpc_url), model=served)) as base:
+        yield base
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def expected(prompt: str, max_tokens: int = N) -> tuple[int, str, str]:
+    """(completion tokens, text, OpenAI finish reason) of greedy ColocatedEngine generation.
+
+    The EOS token counts as generated but is not text, as the front end reports it.
+    """
+    ids, _, reason = E.reference(prompt, max_tokens)
+    tok = E.loaded_model().tokenizer
+    text = tok.decode([i for i in ids if i not in tok.eos_token_ids])
+    return len(ids), text, "length" if reason == "length" else "stop"
+
+
+@pytest.mark.parametrize("text", E.PROMPTS[:3])
+def test_completion_greedy_equals_colocated_engine(url, text):
+    n, ref_text, reason = expected(text)
+    r = client(url).completions.create(model=MODEL, prompt=text, max_tokens=N, temperature=0)
+    assert r.choices[0].text == ref_text
+    assert r.choices[0].finish_reason == reason
+    assert r.usage.prompt_tokens == len(E.prompt_ids(text)) and r.usage.completion_tokens == n
+    chunks = list(
+        client(url).completions.create(
+            model=MODEL,
+            prompt=text,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref_text
+    assert chunks[-1].usage.completion_tokens == n
+
+
+def test_chat_greedy_equals_colocated_engine(url):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    n, ref_text, reason = expected(E.loaded_model().tokenizer.apply_chat_template(messages))
+    r = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == ref_text
+    assert r.usage.completion_tokens == n and r.choices[0].finish_reason == reason
+    stream = client(url).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=N, temperature=0, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
+    )
+
+
+def test_stop_string_is_honoured(url):
+    text = E.PROMPTS[0]
+    _, ref_text, _ = expected(text)
+    words = ref_text.split()
+    stop = words[len(words) // 2]  # a word from the middle of the greedy continuation
+    r = client(url).completions.create(model=MODEL, prompt=text, max_tokens=N, temperature=0, stop=stop)
+    assert r.choices[0].text == ref_text[: ref_text.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < N
+
+
+def test_prompt_over_the_context_is_400(url, served):
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {served.max_model_len}"):
+        client(url).completions.create(model=MODEL, prompt=[1] * served.max_model_len, max_tokens=4)
+
+
+def test_health_is_ready(url):
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def _in_flight(triton) -> float:
+    with urllib.request.urlopen(triton.metrics_url, timeout=60) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("airm_decode_requests_in_flight")
+    )
+
+
+def test_disconnect_mid_stream_frees_the_decode_slot(url, triton):
+    """1500 tokens take over 15 s even at 10 ms per token; the slot must be free well before."""
+    body = {"model": MODEL, "prompt": E.PROMPTS[1], "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert [next(events) for _ in range(3)]
+    wait_for(lambda: _in_flight(triton) == 0, timeout=15, what="decode to drop the cancelled request")
+    text = E.PROMPTS[0]
+    r = client(url).completions.create(model=MODEL, prompt=text, max_tokens=N, temperature=0)
+    assert r.choices[0].text == expected(text)[1]
+
+
+def test_colocated_model_gives_the_same_text(triton, served):
+    config = FrontendConfig(triton_url=triton.grpc_url, triton_model="colocated")
+    with serve_app(create_app(config, model=served)) as base:
+        text = E.PROMPTS[2]
+        r = client(base).completions.create(model=MODEL, prompt=text, max_tokens=N, temperature=0)
+        assert r.choices[0].text == expected(text)[1]

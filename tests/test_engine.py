@@ -286,3 +286,18 @@ def test_colocated_generate_and_stream(smollm, ragged) -> None:
                 break
             threading.Event().wait(0.01)
         assert eng.decode_engine.stats()["free_slots"] == 2
+
+
+def test_colocated_fp32_equals_the_oracle_loop(smollm) -> None:
+    """Engine (chunked prefill, scheduler, RequestState) == the plain greedy loop that
+    test_model_oracle checks against transformers; `rngd-pd generate` equals the engine."""
+    from rngd_pd.model.generate import greedy
+
+    tok = smollm.tokenizer
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name two rivers."}]))
+    long = prompt(tok, 90, offset=3)
+    with ColocatedEngine(smollm, max_len=160, kv_dtype=torch.float32, chunk_size=32) as eng:
+        for ids in (chat, long):
+            res = eng.generate(ids, SamplingParams(max_tokens=12))
+            oracle = greedy(smollm.model, ids, 12, torch.float32, smollm.config.eos_token_ids)
+            assert res.token_ids == oracle

@@ -1,0 +1,162 @@
+"""Model speed against this machine's limits: prefill tokens/s and decode ms/step.
+
+Each row carries a limit measured in the same run: for decode the memory-bandwidth limit (bytes of
+weights + KV one step reads / measured copy bandwidth of a large pre-faulted buffer), for prefill the
+compute limit (model FLOPs / measured matmul FLOP/s). ratio = measured / limit (1.0 is the roofline).
+
+    python bench/engine_bench.py                         # table, bf16 compute, bf16 KV
+    python bench/engine_bench.py --dtype fp32 --json     # one JSON object per row
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.kpi import flops_per_token, format_table, measure_cpu_tflops  # noqa: E402
+from rngd_pd.model import KVCache, LoadedModel, load_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLS = ["phase", "batch", "tokens", "ms", "tok_s", "limit_ms", "ratio", "limit"]
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Best bytes/s of copy_ between two pre-faulted buffers (the memory-bandwidth yardstick)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    return nbytes / _best(lambda: dst.copy_(src), reps)
+
+
+def matmul_flops(dtype: torch.dtype) -> float:
+    """Sustained matmul FLOP/s in the compute dtype (bench.kpi's 1024^3 measurement)."""
+    return measure_cpu_tflops(seconds=0.5, dtype=str(dtype).removeprefix("torch.")) * 1e12
+
+
+def _best(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads from weights: every block, the final norm, the LM head (the
+    embedding table is only gathered, one row per token, unless it is the tied LM head)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name == "embed" or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def bench_decode(
+    m: LoadedModel, batch: int, context: int, steps: int, kv_dtype: torch.dtype, bw: float
+) -> dict:
+    """Median ms of one decode step, B rows at position `context` in a cache holding that many tokens."""
+    cache = KVCache(m.config, batch, context + steps + 2, kv_dtype)
+    for t in cache.k + cache.v:
+        t.normal_()
+    tokens = torch.randint(0, m.config.vocab_size, (batch,))
+    slots = torch.arange(batch)
+    times = []
+    for i in range(steps + 2):
+        positions = torch.full((batch,), context + i, dtype=torch.long)
+        t0 = time.perf_counter()
+        m.model.decode_step(tokens, positions, cache, slots)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times[2:]) * 1e3
+    kv_read = batch * (context + 1) * m.config.kv_bytes_per_token * cache.k[0].element_size()
+    limit_ms = (weight_bytes(m.model) + kv_read) / bw * 1e3
+    return _row("decode", batch, batch, ms, limit_ms, "memory")
+
+
+def bench_prefill(m: LoadedModel, tokens: int, reps: int, kv_dtype: torch.dtype, flops: float) -> dict:
+    """Best ms of prefilling `tokens` random tokens."""
+    ids = torch.randint(0, m.config.vocab_size, (tokens,))
+    ms = _best(lambda: m.model.prefill(ids, kv_dtype=kv_dtype), reps) * 1e3
+    c = m.config
+    head = 2.0 * c.hidden_size * c.vocab_size  # the LM head runs for the last token only
+    work = tokens * (flops_per_token(c, tokens / 2) - head) + head
+    return _row("prefill", 1, tokens, ms, work / flops * 1e3, "compute")
+
+
+def _row(phase: str, batch: int, tokens: int, ms: float, limit_ms: float, limit: str) -> dict:
+    return {
+        "phase": phase, "batch": batch, "tokens": tokens, "ms": ms, "tok_s": tokens / ms * 1e3,
+        "limit_ms": limit_ms, "ratio": ms / limit_ms, "limit": limit,
+    }  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: embedded SmolLM2)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="compute dtype of the weights")
+    p.add_argument("--kv-dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--prefill", type=_ints, default=[128, 512, 2048], help="prompt lengths, comma separated")
+    p.add_argument("--batch", type=_ints, default=[1, 4, 16], help="decode batch sizes, comma separated")
+    p.add_argument("--context", type=int, default=256, help="tokens already cached at each decode step")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
+    p.add_argument("--reps", type=int, default=2, help="timed prefills per length (best is kept)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    m = load_model(args.model, dtype=DTYPES[args.dtype], progress=True)
+    kv_dtype = DTYPES[args.kv_dtype]
+    meta = {"dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads()}
+    _log(f"measuring copy bandwidth and {args.dtype} matmul FLOP/s ...")
+    bw, flops = copy_bandwidth(), matmul_flops(DTYPES[args.dtype])
+    meta.update(copy_gb_s=bw / 1e9, matmul_gflop_s=flops / 1e9)
+    m.model.prefill(torch.arange(8), kv_dtype=kv_dtype)  # warm up
+    rows = []
+    for n in args.prefill:
+        _log(f"prefill {n} tokens ...")
+        rows.append(bench_prefill(m, n, args.reps, kv_dtype, flops) | meta)
+    for b in args.batch:
+        _log(f"decode batch {b} at context {args.context} ...")
+        rows.append(
+            bench_decode(m, b, args.context, args.steps, kv_dtype, bw) | meta | {"context": args.context}
+        )
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(f"{Path(m.source).name}: compute {args.dtype}, KV {args.kv_dtype}, {meta['threads']} threads, "
+              f"copy {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")  # fmt: skip
+        print(format_table(rows, COLS))
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(f"[engine_bench] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -187,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", default="shm,tcp,nixl-ucx")
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout: keep --json parseable
     seqs = (512,) if args.quick else (512, 2048)
     reps = args.reps or (3 if args.quick else 5)
     names = [n for n in args.transports.split(",") if n != "nixl-ucx" or _nixl_importable()]
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout; keep --json parseable
     if not args.json:
         print(HEAD, flush=True)
     with contextlib.ExitStack() as stack:

@@ -167,12 +167,15 @@ def test_stop_leaves_no_stub_even_after_a_crash(tmp_path: Path) -> None:
     with triton_server(echo_repository(tmp_path), models=["echo"]) as s:
         pgid = s.proc.pid
         assert any("triton_python_backend_stub" in c for c in group_members(pgid))
+        regions = srv.shm_regions(pgid)
+        assert regions and all((Path("/dev/shm") / r).exists() for r in regions)
         os.kill(pgid, signal.SIGKILL)  # the server dies without shutting its stubs down
         s.proc.wait(10)
     deadline = time.monotonic() + 5
     while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(pgid) == []
+    assert not any((Path("/dev/shm") / r).exists() for r in regions)  # no leaked shm region
 
 
 @pytest.mark.e2e

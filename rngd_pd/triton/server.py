@@ -18,7 +18,6 @@ import hashlib
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,13 @@ from pathlib import Path
 from typing import IO
 
 from rngd_pd.errors import RngdPdError
+from rngd_pd.triton.procs import (  # noqa: F401 - stop_process_group, group_alive: public here too
+    die_with_parent,
+    group_alive,
+    remove_shm_regions,
+    shm_regions,
+    stop_process_group,
+)
 
 PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 SYSTEM_BACKENDS = Path("/opt/tritonserver/backends")
@@ -275,7 +281,7 @@ class TritonServer:
             out = self._log
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         return self
 
     def log_tail(self, lines: int = 12) -> str:
@@ -325,7 +331,9 @@ class TritonServer:
         """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent. Returns the exit code."""
         if self.proc is None:
             return None
+        regions = shm_regions(self.proc.pid)
         code = stop_process_group(self.proc, grace_s)
+        remove_shm_regions(regions)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -336,40 +344,3 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> int | None:
-    """SIGTERM the group `proc` leads, SIGKILL it after `grace_s`, then SIGKILL any leftover member."""
-    if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    _signal_group(proc.pid, signal.SIGKILL)  # children left behind (stubs of a crashed server)
-    return proc.returncode
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still exists (used to prove no stub outlived a server)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -187,6 +187,25 @@ def test_load_error_fails_only_that_request(engine, prefiller, smollm, ragged) -
     assert engine.stats()["free_slots"] == 16
 
 
+def test_a_slow_kv_load_does_not_stall_running_streams(engine, prefiller, smollm, ragged) -> None:
+    ids, params, expected = ragged[1]
+    gate = threading.Event()
+    pre = prefiller.prefill("slow", ids, params)
+
+    def slow(cache, slot):
+        assert gate.wait(60)
+        cache.load_all(slot, pre.kv)
+
+    slow_req, slow_col = request("slow", pre, params, load_kv=slow)
+    fast_req, fast_col = request("fast", pre, params)
+    engine.submit(slow_req)
+    engine.submit(fast_req)
+    assert fast_col.wait() == expected  # finished while the other KV was still "arriving"
+    assert not slow_col.done.is_set() and engine.stats()["loading"] == 1
+    gate.set()
+    assert slow_col.wait() == expected
+
+
 def test_queue_full_then_cancel_frees_everything(smollm, prefiller) -> None:
     gate = threading.Event()
     params = SamplingParams(max_tokens=100, ignore_eos=True)

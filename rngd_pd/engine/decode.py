@@ -149,7 +149,7 @@ class DecodeEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the scheduler; every request still in flight gets its final event (cancelled)."""
+        """Stop the scheduler; every request still in flight gets its final event ("error")."""
         with self._lock:
             if not self._running:
                 return
@@ -161,8 +161,9 @@ class DecodeEngine:
             self._pool.shutdown(wait=False, cancel_futures=True)
         leftovers = [e for e in self._keys.values() if e is not None]
         for e in leftovers:
-            self._retire(e, e.state.final(FINISH_CANCELLED, RngdPdError("decode engine stopped",
-                                                                        key=e.req.key)))
+            err = RngdPdError("the decode engine stopped before the request finished; retry it",
+                              key=e.req.key)
+            self._retire(e, e.state.final(FINISH_ERROR, err))
 
     def __enter__(self) -> DecodeEngine:
         self.start()
@@ -246,7 +247,6 @@ class DecodeEngine:
             self._cancelled.discard(key)
             if finished:
                 self._counters["finished"] += 1
-                self._counters["tokens"] += 1
 
     # ---- scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:

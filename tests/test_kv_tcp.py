@@ -210,3 +210,52 @@ def test_relay_dies_with_the_process_that_started_it():
         time.sleep(0.1)
     os.kill(pid, 9)
     raise AssertionError("the relay outlived its parent")
+
+
+def test_read_ahead_in_order_and_out_of_order(relay):
+    with TcpTransport(relay) as push, TcpTransport(relay) as t:
+        for i in range(4):
+            push.push("ra", i, bytes([i]) * 1000)
+        out = bytearray(1000)
+        assert t.pull("ra", 0, out, 5.0) == 1000 and out == b"\x00" * 1000
+        assert t.client._ahead["ra"][1] == 1  # the GET for blob 1 is already on its way
+        assert t.pull("ra", 1, out, 5.0) == 1000 and out == b"\x01" * 1000
+        assert t.pull("ra", 3, out, 5.0) == 1000 and out == b"\x03" * 1000  # skips: parked link dropped
+        t.release("ra")
+        assert "ra" not in t.client._ahead and push.client.stat("ra")["key_blobs"] == 0
+
+
+def test_read_ahead_honours_the_callers_timeout(relay):
+    with TcpTransport(relay) as push, TcpTransport(relay) as t:
+        push.push("rt", 0, b"a" * 64)
+        t.pull("rt", 0, bytearray(64), 5.0)
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeoutError):
+            t.pull("rt", 1, bytearray(64), 0.2)
+        assert time.monotonic() - t0 < 1.0  # not the read-ahead's own 2 s
+        push.push("rt", 1, b"b" * 64)
+        out = bytearray(64)
+        assert t.pull("rt", 1, out, 5.0) == 64 and out == b"b" * 64
+        t.release("rt")
+
+
+def test_read_ahead_with_other_sizes_and_expiry(relay, monkeypatch):
+    import rngd_pd.kv.tcp as tcp
+
+    monkeypatch.setattr(tcp, "AHEAD_WAIT_S", 0.2)
+    with TcpTransport(relay) as push, TcpTransport(relay) as t:
+        push.push("rs", 0, b"s" * 10)
+        push.push("rs", 1, b"L" * 100)
+        t.pull("rs", 0, bytearray(10), 5.0)  # read-ahead asked for blob 1 with room for 10 bytes
+        out = bytearray(100)
+        assert t.pull("rs", 1, out, 5.0) == 100 and out == b"L" * 100  # asked again with 100
+        push.push("rs", 2, b"x" * 200)
+        with pytest.raises(TransportIntegrityError):
+            t.pull("rs", 2, bytearray(100), 5.0)  # larger than the buffer, whichever way it is asked
+        t.pull("rs", 0, bytearray(1000), 5.0)  # read-ahead for blob 1 now allows 1000 bytes
+        with pytest.raises(TransportIntegrityError):
+            t.pull("rs", 1, bytearray(10), 5.0)  # 100 bytes arrive for a 10-byte buffer: refused
+        t.pull("rs", 0, bytearray(10), 5.0)
+        time.sleep(0.5)  # the relay answers the parked GET for blob 1 with "timeout"
+        assert t.pull("rs", 1, out, 5.0) == 100
+        t.release("rs")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -31,9 +32,11 @@ from rngd_pd.errors import (
 from rngd_pd.kv import wire
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes
 from rngd_pd.kv.protocol import ConformanceCase
+from rngd_pd.kv.relaypool import Pool, shared_pool, unshare_pool
 
 log = logging.getLogger("rngd_pd.kv.tcp")
 IO_TIMEOUT_S = 60.0  # a relay that stops answering mid-transfer becomes an error, not a hang
+AHEAD_WAIT_S = 2.0  # how long the relay holds a read-ahead GET before answering "timeout"
 _ERRORS = {
     wire.ST_TIMEOUT: TransportTimeoutError,
     wire.ST_INTEGRITY: TransportIntegrityError,
@@ -63,85 +66,14 @@ def crc_from_env(value: str | None = None) -> str | None:
     return "crc32" if value == "crc32" else "crc32c"
 
 
+def _get_frame(index: int, size: int, timeout: float) -> wire.Frame:
+    return wire.Frame(wire.OP_GET, index=index, size=size, timeout_ms=max(0, int(timeout * 1000)))
+
+
 def _log_blob(what: str, key: str, index: int, data: Any) -> None:
     log.info("%s %s[%d] %d bytes sha256=%s", what, key, index, len(data), hashlib.sha256(data).hexdigest())
 
 
-
-
-class _Pool:
-    """Idle authenticated connections to one relay, shared by every client of the process."""
-
-    def __init__(self, addr: tuple[str, int], secret: bytes | None) -> None:
-        self.addr, self.secret = addr, secret
-        self.idle: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.refs = 0
-
-    def acquire(self) -> socket.socket:
-        with self.lock:
-            if self.idle:
-                return self.idle.pop()
-        return self._connect()
-
-    def give_back(self, sock: socket.socket) -> None:
-        with self.lock:
-            self.idle.append(sock)
-
-    def close(self) -> None:
-        with self.lock:
-            for s in self.idle:
-                s.close()
-            self.idle.clear()
-
-    def _connect(self) -> socket.socket:
-        try:
-            sock = socket.create_connection(self.addr, timeout=IO_TIMEOUT_S)
-        except OSError as e:
-            raise TransportError(f"cannot reach the KV relay at {self.addr[0]}:{self.addr[1]} ({e}); "
-                                 "is `rngd-pd kv-relay` running there?") from None
-        wire.tune_socket(sock)
-        wire.set_io_timeout(sock, IO_TIMEOUT_S)
-        try:
-            self._handshake(sock)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _handshake(self, sock: socket.socket) -> None:
-        hdr = bytearray(wire.HEADER.size)
-        wire.recv_exact(sock, memoryview(hdr))
-        f = wire.unpack(hdr)
-        nonce = bytearray(f.size)
-        wire.recv_exact(sock, memoryview(nonce))
-        if not f.flags & wire.FLAG_AUTH_REQUIRED:
-            return
-        if not self.secret:
-            raise TransportError("the KV relay requires a shared secret: "
-                                 "set AIRM_KV_TCP_SECRET or pass secret=")
-        digest = wire.auth_digest(self.secret, bytes(nonce))
-        wire.send_all(sock, [wire.Frame(wire.OP_AUTH, size=len(digest)).pack(), digest])
-        wire.recv_exact(sock, memoryview(hdr))
-        if wire.unpack(hdr).op != wire.ST_OK:
-            raise TransportError("the KV relay refused our secret "
-                                 "(AIRM_KV_TCP_SECRET differs from the relay's)")
-
-
-_pools: dict[tuple[tuple[str, int], bytes | None], _Pool] = {}
-_pools_lock = threading.Lock()
-_pools_pid = os.getpid()
-
-
-def _shared_pool(addr: tuple[str, int], secret: bytes | None) -> _Pool:
-    global _pools_pid
-    with _pools_lock:
-        if os.getpid() != _pools_pid:  # forked: the parent's sockets are not ours
-            _pools.clear()
-            _pools_pid = os.getpid()
-        pool = _pools.setdefault((addr, secret), _Pool(addr, secret))
-        pool.refs += 1
-        return pool
 
 
 class RelayClient:
@@ -157,7 +89,9 @@ class RelayClient:
         self.alg = wire.ALG_IDS[self.crc]
         self.log_blobs = os.environ.get("AIRM_KV_TCP_LOG", "0") == "1" if log_blobs is None else log_blobs
         self.max_key_bytes = max_key_bytes
-        self._pool: _Pool | None = _shared_pool(self.addr, self.secret)
+        self._pool: Pool | None = shared_pool(self.addr, self.secret, IO_TIMEOUT_S)
+        self._ahead: dict[str, tuple[socket.socket, int]] = {}  # key -> connection with a GET in flight
+        self._ahead_lock = threading.Lock()
 
     def _key(self, key: str) -> bytes:
         raw = key.encode()
@@ -165,18 +99,28 @@ class RelayClient:
             raise TransportError(f"key must be 1..{self.max_key_bytes} UTF-8 bytes, got {len(raw)}", key=key)
         return raw
 
-    def _call(self, key: str, frame: wire.Frame, payload: Any = None, out: memoryview | None = None,
-              wait_s: float = 0.0) -> tuple[wire.Frame, memoryview | bytes]:
-        """One request/response on a pooled connection; payload lands in `out` (or new bytes)."""
+    def _acquire(self) -> socket.socket:
         if self._pool is None:
             raise TransportError("RelayClient is closed")
+        return self._pool.acquire()
+
+    def _failed(self, sock: socket.socket, key: str, e: BaseException) -> TransportError:
+        sock.close()
+        kind = TransportTimeoutError if isinstance(e, TimeoutError) else TransportError
+        return kind(f"KV relay {self.addr[0]}:{self.addr[1]} failed during a transfer ({e})", key=key)
+
+    def _send(self, sock: socket.socket, key: str, frame: wire.Frame, payload: Any = None) -> None:
         kb = self._key(key)
         frame.klen = len(kb)
-        sock = self._pool.acquire()
         try:
-            if wait_s:
-                wire.set_io_timeout(sock, IO_TIMEOUT_S + wait_s)
             wire.send_all(sock, [frame.pack(), kb] + ([payload] if payload is not None else []))
+        except (OSError, wire.WireError) as e:
+            raise self._failed(sock, key, e) from None
+
+    def _receive(self, sock: socket.socket, key: str, out: memoryview | None
+                 ) -> tuple[wire.Frame, bytes, memoryview | bytes]:
+        """Read one response; an OK payload lands in `out` (or new bytes). The link stays in sync."""
+        try:
             hdr = bytearray(wire.HEADER.size)
             wire.recv_exact(sock, memoryview(hdr))
             resp = wire.unpack(hdr)
@@ -184,22 +128,36 @@ class RelayClient:
             wire.recv_exact(sock, memoryview(msg))
             body: memoryview | bytes = b""
             if resp.op == wire.ST_OK and resp.size:
+                if out is not None and resp.size > len(out):  # a read-ahead sized for another buffer
+                    wire.recv_exact(sock, memoryview(bytearray(resp.size)))
+                    return wire.Frame(wire.ST_TOO_LARGE, size=resp.size), b"blob larger than the output", b""
                 body = out[: resp.size] if out is not None else memoryview(bytearray(resp.size))
                 wire.recv_exact(sock, body)
         except (OSError, wire.WireError) as e:
-            sock.close()
-            kind = TransportTimeoutError if isinstance(e, TimeoutError) else TransportError
-            raise kind(f"KV relay {self.addr[0]}:{self.addr[1]} failed during a transfer ({e})",
-                       key=key) from None
+            raise self._failed(sock, key, e) from None
+        return resp, bytes(msg), body
+
+    def _check(self, resp: wire.Frame, msg: bytes, op: int, key: str) -> None:
+        if resp.op == wire.ST_OK:
+            return
+        text = msg.decode("utf-8", "replace") or wire.STATUS_NAMES.get(resp.op, str(resp.op))
+        kind = _ERRORS.get(resp.op, TransportError)
+        if resp.op == wire.ST_TOO_LARGE:  # our buffer is too small (GET) or the relay's limit (PUT)
+            kind = TransportIntegrityError if op == wire.OP_GET else TransportCapacityError
+        raise kind(f"KV relay: {text}", key=key)
+
+    def _call(self, key: str, frame: wire.Frame, payload: Any = None, out: memoryview | None = None,
+              wait_s: float = 0.0) -> tuple[wire.Frame, memoryview | bytes]:
+        """One request/response on a pooled connection; payload lands in `out` (or new bytes)."""
+        sock = self._acquire()
+        if wait_s:
+            wire.set_io_timeout(sock, IO_TIMEOUT_S + wait_s)
+        self._send(sock, key, frame, payload)
+        resp, msg, body = self._receive(sock, key, out)
         if wait_s:
             wire.set_io_timeout(sock, IO_TIMEOUT_S)
         self._pool.give_back(sock)
-        if resp.op != wire.ST_OK:
-            text = msg.decode("utf-8", "replace") or wire.STATUS_NAMES.get(resp.op, str(resp.op))
-            kind = _ERRORS.get(resp.op, TransportError)
-            if resp.op == wire.ST_TOO_LARGE:  # our buffer is too small (GET) or the relay's limit (PUT)
-                kind = TransportIntegrityError if frame.op == wire.OP_GET else TransportCapacityError
-            raise kind(f"KV relay: {text}", key=key)
+        self._check(resp, msg, frame.op, key)
         return resp, body
 
     def put(self, key: str, index: int, data: Any) -> None:
@@ -210,17 +168,67 @@ class RelayClient:
             _log_blob("push", key, index, view)
         self._call(key, wire.Frame(wire.OP_PUT, self.alg, index=index, size=len(view), crc=crc), view)
 
-    def get_into(self, key: str, index: int, out: Any, timeout: float) -> int:
-        """Wait up to `timeout` s for the blob, receive it into `out`, verify its checksum; return nbytes."""
+    def get_into(self, key: str, index: int, out: Any, timeout: float, read_ahead: bool = False) -> int:
+        """Wait up to `timeout` s for the blob, receive it into `out`, verify its checksum; return nbytes.
+
+        With `read_ahead`, the GET for blob index+1 is sent before returning, on the same connection,
+        so a caller pulling in order finds the next blob already on its way (received into the next
+        call's buffer: still one copy). A pull of another index just drops that connection.
+        """
         view = as_writable_bytes(out)
-        frame = wire.Frame(wire.OP_GET, index=index, size=len(view), timeout_ms=max(0, int(timeout * 1000)))
-        resp, body = self._call(key, frame, out=view, wait_s=timeout)
+        got = self._claim_ahead(key, index, view, timeout) if read_ahead else None
+        if got is None:
+            sock = self._acquire()
+            wire.set_io_timeout(sock, IO_TIMEOUT_S + timeout)
+            self._send(sock, key, _get_frame(index, len(view), timeout), None)
+            got = (sock, *self._receive(sock, key, view))
+        sock, resp, msg, body = got
+        wire.set_io_timeout(sock, IO_TIMEOUT_S)
+        if read_ahead and resp.op == wire.ST_OK:
+            self._send(sock, key, _get_frame(index + 1, len(view), AHEAD_WAIT_S), None)
+            self._park_ahead(key, sock, index + 1)
+        else:
+            self._pool.give_back(sock)
+        self._check(resp, msg, wire.OP_GET, key)
         if self.alg and resp.alg and wire.blob_crc(resp.alg, body) != resp.crc:
             raise TransportIntegrityError(f"checksum mismatch on blob {index} as received from the relay",
                                           key=key)
         if self.log_blobs:
             _log_blob("pull", key, index, body)
         return resp.size
+
+    def _claim_ahead(self, key: str, index: int, view: memoryview, timeout: float) -> tuple | None:
+        """The response of an earlier read-ahead GET for (key, index), or None to ask afresh."""
+        with self._ahead_lock:
+            parked = self._ahead.pop(key, None)
+        if parked is None:
+            return None
+        sock, ahead_index = parked
+        if ahead_index != index:
+            sock.close()  # its response is still due: the connection cannot be reused
+            return None
+        if not select.select([sock], [], [], max(0.0, timeout))[0]:
+            self._park_ahead(key, sock, index)  # still in sync, still waiting: keep it for the retry
+            raise TransportTimeoutError(f"blob {index} did not arrive within {timeout:g} s", key=key)
+        resp, msg, body = self._receive(sock, key, view)
+        if resp.op in (wire.ST_TIMEOUT, wire.ST_TOO_LARGE):  # its own short wait ran out, or sized
+            self._pool.give_back(sock)  # for another buffer: ask again with this call's terms
+            return None
+        return sock, resp, msg, body
+
+    def _park_ahead(self, key: str, sock: socket.socket, index: int) -> None:
+        with self._ahead_lock:
+            old = self._ahead.pop(key, None)
+            self._ahead[key] = (sock, index)
+        if old is not None:
+            old[0].close()
+
+    def drop_read_ahead(self, key: str) -> None:
+        """Forget a pending read-ahead of `key` (its connection is closed)."""
+        with self._ahead_lock:
+            parked = self._ahead.pop(key, None)
+        if parked is not None:
+            parked[0].close()
 
     def get(self, key: str, index: int, timeout: float, max_bytes: int = 1 << 20) -> bytes:
         """Small blobs (descriptors, handles) as bytes."""
@@ -240,13 +248,13 @@ class RelayClient:
         return json.loads(bytes(body))
 
     def close(self) -> None:
+        with self._ahead_lock:
+            parked, self._ahead = list(self._ahead.values()), {}
+        for sock, _ in parked:
+            sock.close()
         pool, self._pool = self._pool, None
         if pool is not None:
-            with _pools_lock:
-                pool.refs -= 1
-                if pool.refs <= 0:
-                    _pools.pop((pool.addr, pool.secret), None)
-                    pool.close()
+            unshare_pool(pool)
 
     def __enter__(self) -> RelayClient:
         return self
@@ -261,16 +269,19 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None,
-                 crc: str | bool | None = True, log_blobs: bool | None = None) -> None:
+                 crc: str | bool | None = True, log_blobs: bool | None = None,
+                 read_ahead: bool = True) -> None:
         self.client = RelayClient(addr, secret, crc=crc, log_blobs=log_blobs)
+        self.read_ahead = read_ahead  # pulls in index order find the next blob already requested
 
     def push(self, key: str, index: int, data: Any) -> None:
         self.client.put(key, index, data)
 
     def pull(self, key: str, index: int, out: Any, timeout: float) -> int:
-        return self.client.get_into(key, index, out, timeout)
+        return self.client.get_into(key, index, out, timeout, read_ahead=self.read_ahead)
 
     def release(self, key: str) -> None:
+        self.client.drop_read_ahead(key)
         self.client.delete(key)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,3 +184,48 @@ def _stub_cmdlines(repo: Path) -> list[str]:
         with contextlib.suppress(OSError):
             out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
     return out
+
+
+ENSEMBLE = """name: "llm"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "input_ids" data_type: TYPE_INT32 dims: [-1] } ]
+output [ { name: "output_ids" data_type: TYPE_INT32 dims: [-1] },
+         { name: "finish_reason" data_type: TYPE_STRING dims: [1] } ]
+ensemble_scheduling { step [ { model_name: "echo" model_version: -1
+  input_map { key: "input_ids" value: "input_ids" }
+  output_map { key: "output_ids" value: "output_ids" }
+  output_map { key: "finish_reason" value: "finish_reason" } } ] }
+"""
+
+
+@pytest.mark.e2e
+def test_gateway_role_loads_only_the_ensemble_and_its_steps(tmp_path: Path) -> None:
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    (repo / "llm" / "1").mkdir(parents=True)
+    (repo / "llm" / "config.pbtxt").write_text(ENSEMBLE)
+    shutil.copytree(repo / "echo", repo / "prefill")  # a model the gateway must not load
+    (repo / "prefill" / "config.pbtxt").write_text((repo / "echo" / "config.pbtxt").read_text()
+                                                   .replace('name: "echo"', 'name: "prefill"'))
+    shutil.rmtree(repo / "prefill" / "configs")
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--role", "gateway", "--openai-port", "-1",
+            "--prefill-url", "127.0.0.1:1", "--decode-url", "127.0.0.1:2",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(("serve: triton http", "serve: stopped")):
+                break
+        http = re.search(r"triton http (\S+)", lines[-1])
+        assert http, "".join(lines)
+        req = urllib.request.Request(f"{http[1]}/v2/repository/index", b"{}")
+        index = {m["name"]: m.get("state") for m in json.load(urllib.request.urlopen(req, timeout=10))}
+        assert index["llm"] == "READY" and index["echo"] == "READY" and index.get("prefill") != "READY"
+        body = json.dumps({"input_ids": [5, 6]}).encode()
+        req = urllib.request.Request(f"{http[1]}/v2/models/llm/generate_stream", body)
+        assert urllib.request.urlopen(req, timeout=30).read().count(b"output_ids") == 3
+    finally:
+        stop_and_reap(proc, repo)

@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -185,3 +186,35 @@ def test_bad_parameter_fails_start_naming_it(tmp_path: Path) -> None:
         pass
     message = str(info.value)
     assert "exited with code" in message and "unknown parameter(s) delay_msec" in message
+
+
+@pytest.mark.e2e
+def test_tritonserver_by_hand_from_the_venv(tmp_path: Path) -> None:
+    """The documented hand command: venv activated, LD_LIBRARY_PATH, --backend-directory; no PYTHONPATH."""
+    import subprocess
+    import sys
+
+    install = srv.find_tritonserver({"PATH": ""})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", VIRTUAL_ENV=sys.prefix,
+               LD_LIBRARY_PATH=str(install.libs))
+    http = srv.free_port()
+    argv = [str(install.binary), "--model-repository", str(echo_repository(tmp_path)),
+            "--model-config-name", "cpu", "--backend-directory", str(srv.backend_directory(install)),
+            "--http-address", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(srv.free_port()),
+            "--metrics-port", str(srv.free_port())]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        body = json.dumps({"input_ids": [2, 4]}).encode()
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "tritonserver did not become ready"
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/echo/generate_stream", body)
+                assert urllib.request.urlopen(req, timeout=10).read().count(b"output_ids") == 3
+                break
+            except urllib.error.URLError:
+                time.sleep(0.3)
+    finally:
+        srv.stop_process_group(proc)

@@ -78,6 +78,7 @@ def test_bad_arguments_exit_2_with_reason(tmp_path: Path) -> None:
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_print_command_and_devices(tmp_path: Path) -> None:
     require_tritonserver()
     repo = echo_repository(tmp_path)

@@ -118,14 +118,15 @@ class ShmTransport:
     def _publish(self, slot_path: str, path: str, key: str) -> None:
         kdir = os.path.dirname(path)
         tmp = os.path.join(kdir, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}")
-        for attempt in range(3):
+        for attempt in range(4):
             try:
-                os.makedirs(kdir, mode=0o700, exist_ok=True)
+                if attempt:  # the key's first blob (or a key released meanwhile): make its directory
+                    os.makedirs(kdir, mode=0o700, exist_ok=True)
                 os.link(slot_path, tmp)
                 os.rename(tmp, path)  # atomic: readers see the whole blob or nothing
                 return
             except FileNotFoundError:
-                if attempt == 2:  # the key directory keeps vanishing: someone releases the key meanwhile
+                if attempt == 3:  # the key directory keeps vanishing: someone releases the key meanwhile
                     raise TransportError("key was released while being pushed", key=key) from None
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -77,7 +77,16 @@ def grid(a: argparse.Namespace) -> list[Workload]:
 
 def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace) -> list[str]:
     """bench/load_gen.py's command line for one point (the only place that knows its flags)."""
-    argv = [sys.executable, str(ROOT / "bench" / "load_gen.py"), "--url", t.url, "--json", "--ignore-eos"]
+    argv = [
+        sys.executable,
+        str(ROOT / "bench" / "load_gen.py"),
+        "--url",
+        t.url,
+        "--json",
+        "--quiet",
+        "--ignore-eos",
+    ]
+    argv += ["--timeout", str(a.point_timeout)]
     if t.model:
         argv += ["--model", t.model]
     if w.trace is not None:
@@ -156,10 +165,16 @@ def rngd_stack(systems: Sequence[str], a: argparse.Namespace, out: Path) -> Iter
         str(openai),
         "--param",
         f"num_slots={a.num_slots}",
+        "--ready-timeout",
+        str(int(a.server_timeout)),
         *a.serve_arg,
     ]
     with ExitStack() as stack:
-        stack.enter_context(ServerProcess(serve, f"http://127.0.0.1:{openai}/health", out / "serve.log"))
+        stack.enter_context(
+            ServerProcess(
+                serve, f"http://127.0.0.1:{openai}/health", out / "serve.log", timeout=a.server_timeout + 60
+            )
+        )
         targets = []
         if "pd" in systems:
             targets.append(Target("pd", f"http://127.0.0.1:{openai}", kpi.parse_cards(a.pd_cards)))
@@ -203,9 +218,9 @@ def peer(system: str, a: argparse.Namespace, out: Path) -> Iterator[list[Target]
         health = f"http://127.0.0.1:{port}/health"
     else:
         llamacpp.install(log=out / "llamacpp-install.log")
-        argv = llamacpp.server_argv(gguf, port, alias=gguf.stem)
+        argv = llamacpp.server_argv(gguf, port, alias=gguf.stem, threads=a.llamacpp_threads)
         health = f"http://127.0.0.1:{port}/v1/models"
-    with ServerProcess(argv, health, out / f"{system}.log"):
+    with ServerProcess(argv, health, out / f"{system}.log", timeout=a.server_timeout):
         yield [Target(system, f"http://127.0.0.1:{port}", kpi.parse_cards("cpu:0"))]
 
 
@@ -241,9 +256,9 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
                             sink.flush()
             except Exception as e:  # a system that cannot start is a row, not the end of the sweep
                 log(f"{'+'.join(group)} failed: {e}")
-                rows += [
-                    {"system": s, "workload": "-", "note": f"did not start: {str(e)[:300]}"} for s in group
-                ]
+                for s in group:
+                    rows.append({"system": s, "workload": "-", "note": f"failed: {str(e)[:300]}"})
+                    sink.write(json.dumps(rows[-1]) + "\n")
     return rows
 
 
@@ -273,7 +288,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--peak-tflops", type=float, help="peak per card (default: measure the CPU)")
     ap.add_argument("--point-timeout", type=float, default=900.0)
+    ap.add_argument("--server-timeout", type=float, default=1800.0, help="seconds a server may take to start")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / time.strftime("sweep-%Y%m%d-%H%M%S"))
+    ap.add_argument(
+        "--llamacpp-threads", type=int, default=1, help="llama.cpp threads (see docs/benchmarks.md)"
+    )
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from --out/sweep.jsonl")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON lines")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
@@ -287,12 +307,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def latest_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a sweep.jsonl; a later row of the same (system, workload, concurrency) replaces one before."""
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in kpi.read_rows(path.read_text().splitlines()) if path.exists() else []:
+        rows[(r.get("system"), r.get("workload"), r.get("concurrency"))] = r
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep, then write the report (text), the plot (PNG) and the rows (JSON lines)."""
+    """Run the sweep, then write the report (text), the plot (PNG) and the rows (JSON lines).
+
+    The report covers every row in the output folder's sweep.jsonl, so runs of different systems
+    into the same --out add up; --report-only rewrites the report without running anything.
+    """
     a = parse_args(argv)
-    rows = run(a)
+    if not a.report_only:
+        run(a)
+    rows = latest_rows(a.out / "sweep.jsonl")
     measured = [r for r in rows if r.get("output_tok_s") is not None]
-    text = sweep_report.report(rows)
+    text = sweep_report.report(rows) if rows else "no rows"
+    a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "report.txt").write_text(text + "\n")
     if measured:
         sweep_report.plot(measured, a.out / "sweep.png")

@@ -8,7 +8,7 @@ peer, at the lowest CPU priority and one compile job so other work on the machin
     python bench/peers/llamacpp.py argv --port 9200
 
 Its server holds one model instance behind a lock: concurrent requests are served one at a time
-(`--interrupt_requests False` keeps a new request from cutting off the one that is streaming).
+(interrupt_requests=False keeps a new request from cutting off the one that is streaming).
 """
 
 from __future__ import annotations
@@ -61,27 +61,22 @@ def install(venv: Path = VENV, log: Path | None = None) -> Path:
 def server_argv(
     gguf: Path, port: int, *, alias: str, threads: int = 2, n_ctx: int = 4096, venv: Path = VENV
 ) -> list[str]:
-    """The command line of llama_cpp.server for the sweep (greedy requests, no request interrupts)."""
+    """The command line of llama.cpp's server for the sweep (llamacpp_server.py: ignore_eos honoured)."""
     return [
         str(venv_python(venv)),
-        "-m",
-        "llama_cpp.server",
+        str(Path(__file__).with_name("llamacpp_server.py")),
         "--model",
         str(gguf),
-        "--model_alias",
+        "--alias",
         alias,
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
-        "--n_threads",
+        "--threads",
         str(threads),
-        "--n_threads_batch",
-        str(threads),
-        "--n_ctx",
+        "--n-ctx",
         str(n_ctx),
-        "--interrupt_requests",
-        "False",
     ]
 
 

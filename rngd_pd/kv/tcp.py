@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,8 +177,10 @@ class RelayClient:
         call's buffer: still one copy). A pull of another index just drops that connection.
         """
         view = as_writable_bytes(out)
+        deadline = time.monotonic() + timeout
         got = self._claim_ahead(key, index, view, timeout) if read_ahead else None
         if got is None:
+            timeout = max(0.0, deadline - time.monotonic())  # what a consumed read-ahead left
             sock = self._acquire()
             wire.set_io_timeout(sock, IO_TIMEOUT_S + timeout)
             self._send(sock, key, _get_frame(index, len(view), timeout), None)

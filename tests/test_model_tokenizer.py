@@ -84,3 +84,11 @@ def test_stream_decoder_keeps_spaces_and_flushes_partial_tail(smollm):
     dec = tok.stream_decoder()
     assert [dec.push(i) for i in partial] == [""] * len(partial)
     assert dec.flush() == tok.decode(partial)
+
+
+def test_load_tokenizer_reads_no_weights(smollm):
+    from rngd_pd.model import load_tokenizer
+
+    config, tok = load_tokenizer()
+    assert config == smollm.config
+    assert tok.encode(TEXTS[1]) == smollm.tokenizer.encode(TEXTS[1])

@@ -6,7 +6,7 @@ from rngd_pd.model.cache import KVCache
 from rngd_pd.model.config import ModelConfig, check_request
 from rngd_pd.model.llama import Llama
 from rngd_pd.model.tokenizer import StreamDecoder, Tokenizer
-from rngd_pd.model.weights import LoadedModel, embedded_model_path, load_model
+from rngd_pd.model.weights import LoadedModel, embedded_model_path, load_model, load_tokenizer
 
 __all__ = [
     "KVCache",
@@ -18,4 +18,5 @@ __all__ = [
     "check_request",
     "embedded_model_path",
     "load_model",
+    "load_tokenizer",
 ]

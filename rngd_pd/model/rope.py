@@ -7,6 +7,7 @@ decode step only gathers rows of it.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 from torch import Tensor
@@ -46,35 +47,42 @@ def _llama3(freqs: Tensor, s: dict) -> Tensor:
 
 
 class RopeTable:
-    """cos/sin rows [positions, head_dim] (halves duplicated) for rotate-half RoPE."""
+    """cos/sin rows [positions, head_dim] (halves duplicated) for rotate-half RoPE.
+
+    Thread-safe: prefill and decode threads may share one model; the table only ever grows, under a
+    lock, and each lookup reads one (cos, sin) pair.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int) -> None:
         self.inv_freq = inv_freq(head_dim, theta, scaling)
         self.max_len = max_len
-        self.cos = torch.empty(0, head_dim)
-        self.sin = torch.empty(0, head_dim)
-        self._grow(min(max_len, 4096))
+        self._lock = threading.Lock()
+        self._table = self._build(min(max_len, 4096))
 
-    def _grow(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
-        f = torch.outer(t, self.inv_freq)  # [n, hd/2]
+    def _build(self, n: int) -> tuple[Tensor, Tensor]:
+        f = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)  # [n, hd/2]
         emb = torch.cat([f, f], dim=-1)  # [n, hd]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        return emb.cos(), emb.sin()
 
-    def ensure(self, n: int) -> None:
-        """Make rows [0, n) available (n must not exceed the model's max_context)."""
-        if n > self.cos.shape[0]:
-            self._grow(max(n, min(self.max_len, 2 * self.cos.shape[0])))
+    def rows(self, n: int) -> tuple[Tensor, Tensor]:
+        """The (cos, sin) tables holding at least rows [0, n)."""
+        table = self._table
+        if n > table[0].shape[0]:
+            with self._lock:
+                table = self._table
+                if n > table[0].shape[0]:
+                    table = self._table = self._build(max(n, min(self.max_len, 2 * table[0].shape[0])))
+        return table
 
     def span(self, start: int, length: int) -> tuple[Tensor, Tensor]:
         """cos, sin for positions [start, start + length): [length, hd]."""
-        self.ensure(start + length)
-        return self.cos[start : start + length], self.sin[start : start + length]
+        cos, sin = self.rows(start + length)
+        return cos[start : start + length], sin[start : start + length]
 
     def gather(self, positions: Tensor, max_pos: int) -> tuple[Tensor, Tensor]:
         """cos, sin for arbitrary positions [B] -> [B, hd] (max_pos: the largest of them)."""
-        self.ensure(max_pos + 1)
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self.rows(max_pos + 1)
+        return cos[positions], sin[positions]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

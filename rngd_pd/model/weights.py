@@ -65,25 +65,32 @@ def load_model(
     """Load a GGUF file, a Hugging Face checkpoint directory, or (path None) the embedded model."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ModelLoadError(f"compute dtype {dtype} is not supported; use torch.float32 or torch.bfloat16")
-    p = embedded_model_path() if path is None else Path(os.path.expanduser(path))
-    if not p.exists():
-        raise ModelLoadError(f"{p}: no such file or directory; pass a *.gguf file or a checkpoint directory")
-    ckpt = _open(p)
+    ckpt = open_checkpoint(path)
     config = ckpt.config()
     tokenizer = ckpt.tokenizer(config)
     model = Llama(config, dtype)
-    with (
-        torch.inference_mode(),
-        tqdm(
-            total=ckpt.count(), desc=f"loading {p.name}", unit="tensor", file=sys.stderr, disable=not progress
-        ) as bar,
-    ):
+    name = ckpt.path.name
+    bar = tqdm(
+        total=ckpt.count(), desc=f"loading {name}", unit="tensor", file=sys.stderr, disable=not progress
+    )
+    with torch.inference_mode(), bar:
         assemble(model, _ticking(ckpt.hf_tensors(config), bar))
     model.eval()
-    return LoadedModel(config, model, tokenizer, fingerprint(config, ckpt.files), str(p))
+    return LoadedModel(config, model, tokenizer, fingerprint(config, ckpt.files), str(ckpt.path))
 
 
-def _open(p: Path):  # GGUFCheckpoint | HFCheckpoint
+def load_tokenizer(path: str | None = None) -> tuple[ModelConfig, Tokenizer]:
+    """Config and tokenizer of a checkpoint without reading its weights (front ends, pre/postprocess)."""
+    ckpt = open_checkpoint(path)
+    config = ckpt.config()
+    return config, ckpt.tokenizer(config)
+
+
+def open_checkpoint(path: str | Path | None):  # -> GGUFCheckpoint | HFCheckpoint
+    """Open (metadata only) a GGUF file or checkpoint directory; None is the embedded model."""
+    p = embedded_model_path() if path is None else Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        raise ModelLoadError(f"{p}: no such file or directory; pass a *.gguf file or a checkpoint directory")
     if p.is_dir():
         from rngd_pd.model.hf_loader import HFCheckpoint
 
@@ -93,6 +100,9 @@ def _open(p: Path):  # GGUFCheckpoint | HFCheckpoint
     from rngd_pd.model.gguf_loader import GGUFCheckpoint
 
     return GGUFCheckpoint(p)
+
+
+_open = open_checkpoint  # kept for callers written against the first cut
 
 
 def _ticking(items: Iterable[tuple[str, Tensor]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:

@@ -70,6 +70,9 @@ class _Ops:
             slot = [s for s in ep.slots.values() if s.key == key][-1]
             ep.arena[slot.offset + slot.nbytes // 2] ^= 0xFF
 
+    def arena_used(self, t: str) -> int:
+        return self.transports[t].ep.allocator.used
+
     def logs(self) -> list[str]:
         return list(self.records)
 
@@ -223,6 +226,23 @@ def test_roundtrip_is_byte_exact_and_reads_free_the_pushers_slots(peers):
 
 
 @pytest.mark.nixl
+def test_read_ahead_posts_the_next_reads_and_release_frees_them(peers):
+    a, b = peers
+    for i in range(4):
+        a("push", "main", "ra", i, 20 + i, MiB)
+    assert b("arena_used", "main") == 0
+    got = b("pull", "main", "ra", 0, 20, MiB, 30.0)
+    assert got["exact"]
+    assert b("arena_used", "main") == 2 * MiB  # blobs 1 and 2 are being read ahead
+    assert b("pull", "main", "ra", 1, 21, MiB, 30.0)["exact"]  # served from the read-ahead
+    assert b("arena_used", "main") == 2 * MiB  # now blobs 2 and 3
+    b("release", "main", "ra")  # nobody will pull 2 and 3: release drops their read-aheads
+    assert b("arena_used", "main") == 0
+    # NIXL sends a READ's notification once the reader sees it complete: all four slots freed
+    assert _wait_until(lambda: a("held", "main", "ra") == (0, 0)), a("held", "main", "ra")
+
+
+@pytest.mark.nixl
 def test_pull_waits_for_a_later_push(peers):
     a, b = peers
     b.conn.send(("pull", ("main", "late", 0, 7, 300_000, 30.0), {}))
@@ -266,17 +286,19 @@ def test_output_buffer_too_small_is_refused(peers):
 
 
 @pytest.mark.nixl
-def test_full_arena_is_a_capacity_error_and_release_frees_it(peers):
+def test_full_arena_is_a_capacity_error_and_release_frees_it(peers, relay):
     a, _ = peers
-    a("push", "main", "cap", 0, 1, 30 * MiB)
-    a("push", "main", "cap", 1, 2, 30 * MiB)
+    a("open", "cap", addr=relay.addr, capacity_wait_s=0.2)  # same 64 MiB arena, short backpressure wait
+    a("push", "cap", "cap", 0, 1, 30 * MiB)
+    a("push", "cap", "cap", 1, 2, 30 * MiB)
+    t0 = time.monotonic()
     with pytest.raises(PeerError, match="TransportCapacityError") as err:
-        a("push", "main", "cap", 2, 3, 30 * MiB)
-    assert "AIRM_KV_UCX_POOL_MB" in str(err.value)
-    a("release", "main", "cap")
-    assert a("held", "main", "cap") == (0, 0)
-    a("push", "main", "cap", 2, 3, 30 * MiB)  # room again
-    a("release", "main", "cap")
+        a("push", "cap", "cap", 2, 3, 30 * MiB)
+    assert "AIRM_KV_UCX_POOL_MB" in str(err.value) and time.monotonic() - t0 < 5.0
+    a("release", "cap", "cap")
+    assert a("held", "cap", "cap") == (0, 0)
+    a("push", "cap", "cap", 2, 3, 30 * MiB)  # room again
+    a("release", "cap", "cap")
 
 
 @pytest.mark.nixl

@@ -320,3 +320,37 @@ def test_colocated_fp32_equals_the_oracle_loop(smollm) -> None:
             res = eng.generate(ids, SamplingParams(max_tokens=12))
             oracle = greedy(smollm.model, ids, 12, torch.float32, smollm.config.eos_token_ids)
             assert res.token_ids == oracle
+
+
+def test_concurrent_submits_and_cancels_leave_nothing_behind(smollm, prefiller) -> None:
+    """24 requests from 4 threads, every third cancelled at a random moment: each gets exactly one
+    final event, the others their full length, and every slot and key is free afterwards."""
+    import random
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    pre = prefiller.prefill("c", prompt(smollm.tokenizer, 6), params)
+    cols: dict[str, Collector] = {}
+    rng = random.Random(0)
+    with DecodeEngine(smollm, num_slots=4, max_len=64, buckets=[64], max_queue=32) as eng:
+
+        def client(t: int) -> None:
+            for i in range(6):
+                key = f"t{t}-{i}"
+                req, cols[key] = request(key, pre, params)
+                eng.submit(req)
+                if i % 3 == 0:
+                    threading.Event().wait(rng.random() * 0.05)
+                    eng.cancel(key)
+
+        threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for key, col in cols.items():
+            col.wait()
+            reason = col.final.finish_reason
+            assert reason == "cancelled" or (reason == "length" and len(col.wait()) == 5), key
+        stats = eng.stats()
+        assert (stats["free_slots"], stats["queued"], stats["loading"]) == (4, 0, 0)
+        assert not any(eng.cancel(key) for key in cols)  # no key is still known

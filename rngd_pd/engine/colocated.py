@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -21,7 +22,8 @@ _ids = itertools.count()
 
 
 class ColocatedEngine:
-    """generate()/stream() from prompt ids; safe to call from several threads at once."""
+    """generate()/stream() from prompt ids; safe to call from several threads at once (prefills run
+    one after another, decodes share the slots)."""
 
     def __init__(
         self,
@@ -38,6 +40,9 @@ class ColocatedEngine:
         self.prefill_engine = PrefillEngine(loaded, kv_dtype, chunk_size, max_context=max_len)
         self.decode_engine = DecodeEngine(loaded, num_slots, max_len, kv_dtype, max_queue, buckets)
         self.decode_engine.start()
+        # one prefill at a time: concurrent prefills only fight over the same
+        # cores (and their OpenMP teams oversubscribe them) and delay every first token
+        self._prefill_lock = threading.Lock()
 
     def close(self) -> None:
         self.decode_engine.stop()
@@ -58,7 +63,9 @@ class ColocatedEngine:
         the iterator early cancels the request.
         """
         key = key or f"colocated-{next(_ids)}"
-        pre = self.prefill_engine.prefill(key, prompt_ids, params)
+        self.prefill_engine.validate(key, prompt_ids, params)
+        with self._prefill_lock:
+            pre = self.prefill_engine.prefill(key, prompt_ids, params)
         events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
 
         def load_kv(cache, slot: int) -> None:

@@ -104,9 +104,9 @@ def test_chat_default_max_tokens_is_the_rest_of_the_context(url, served, backend
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_cuts_text_and_cancels(url, served, backend, stream):
+@pytest.mark.parametrize("stop", ["brown fox", "rown f", "🙂"])  # across tokens, inside tokens, multi-byte
+def test_stop_string_cuts_text_and_cancels(url, served, backend, stream, stop):
     full = expected(served, backend, 40)
-    stop = "brown fox"
     assert stop in full
     kwargs = dict(model=MODEL, prompt="x", max_tokens=40, temperature=0, stop=[stop, "never"])
     if stream:

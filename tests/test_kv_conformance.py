@@ -27,3 +27,27 @@ def test_cli_exit_codes():
     bad = subprocess.run([sys.executable, "-m", "rngd_pd.kv.conformance", "no-such-transport"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "known:" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_torch_bf16_layer_round_trip(name, tmp_path):
+    """One layer's K as the engine holds it (bf16 [kv_heads, tokens, head_dim]) in and out, bit-exact."""
+    import contextlib
+
+    import torch
+
+    from rngd_pd.kv import load_transport
+    from rngd_pd.kv.relayproc import start_relay
+
+    with contextlib.ExitStack() as stack:
+        if name == "shm":
+            opts = {"root": str(tmp_path / "shm")}
+        else:
+            opts = {"addr": stack.enter_context(start_relay()).addr}
+        t = stack.enter_context(contextlib.closing(load_transport(name, **opts)))
+        src = torch.randn(3, 37, 64).to(torch.bfloat16)
+        out = torch.empty_like(src)
+        t.push("bf16", 0, src)
+        assert t.pull("bf16", 0, out, 5.0) == src.numel() * 2
+        assert torch.equal(out.view(torch.int16), src.view(torch.int16))
+        t.release("bf16")

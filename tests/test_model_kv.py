@@ -22,16 +22,16 @@ def _ids(tok, n: int, seed: int) -> list[int]:
 
 @torch.inference_mode()
 def test_decode_after_prefill_equals_cache_built_token_by_token(smollm):
-    model, ids = smollm.model, _ids(smollm.tokenizer, 24, seed=1)
-    expected = greedy(model, ids, 12, kv_dtype=BF16)
-    cache = KVCache(smollm.config, 2, 64, BF16)
+    model, ids = smollm.model, _ids(smollm.tokenizer, 14, seed=1)
+    expected = greedy(model, ids, 8, kv_dtype=BF16)
+    cache = KVCache(smollm.config, 2, 32, BF16)
     logits, kv = model.prefill(torch.tensor(ids[:1]), kv_dtype=BF16)
     cache.load_all(1, kv)
     slot = torch.tensor([1])
     for pos in range(1, len(ids)):
         logits = model.decode_step(torch.tensor([ids[pos]]), torch.tensor([pos]), cache, slot)[0]
     out = [int(logits.argmax())]
-    for pos in range(len(ids), len(ids) + 11):
+    for pos in range(len(ids), len(ids) + 7):
         logits = model.decode_step(torch.tensor([out[-1]]), torch.tensor([pos]), cache, slot)[0]
         out.append(int(logits.argmax()))
     assert out == expected

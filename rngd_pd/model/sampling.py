@@ -85,19 +85,42 @@ class Sampler:
             return int(torch.argmax(logits))
         p = self.params
         scaled = logits.float() / p.temperature
+        indices = None  # None: probs index the whole vocabulary directly
         if 0 < p.top_k < scaled.numel():
             values, indices = torch.topk(scaled, p.top_k)  # sorted, descending
+            probs = torch.softmax(values, dim=-1)
         else:
-            values, indices = torch.sort(scaled, descending=True)
-        probs = torch.softmax(values, dim=-1)
+            probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (always at least the best token)
-            cum = torch.cumsum(probs, dim=-1)
-            keep = int(torch.searchsorted(cum, torch.tensor([p.top_p]), right=False)) + 1
-            probs, indices = probs[:keep], indices[:keep]
+            probs, indices = _nucleus(probs, indices, p.top_p)
         self.generator.manual_seed(_mix64(self._base, step))
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(indices[choice])
+        choice = int(torch.multinomial(probs, 1, generator=self.generator))
+        return choice if indices is None else int(indices[choice])
+
+
+def _nucleus(
+    probs: torch.Tensor, indices: torch.Tensor | None, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most likely tokens whose mass reaches top_p (at least one token).
+
+    Without top-k the distribution is unsorted: rather than sorting the whole vocabulary (~6 ms for
+    49k entries), take the top 256 and sort everything only when they hold less than top_p of the
+    mass (flat distributions, high temperatures).
+    """
+    if indices is None:
+        n = probs.numel()
+        k = min(256, n)
+        while True:
+            values, idx = torch.topk(probs, k)  # sorted, descending
+            cum = torch.cumsum(values, dim=-1)
+            if float(cum[-1]) >= top_p or k == n:
+                break
+            k = n  # a flat distribution: sort it all
+        probs, indices = values, idx
+    else:
+        cum = torch.cumsum(probs, dim=-1)
+    keep = int(torch.searchsorted(cum, torch.tensor([top_p]), right=False)) + 1
+    return probs[:keep], indices[:keep]
 
 
 _M64 = 0xFFFF_FFFF_FFFF_FFFF

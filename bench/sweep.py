@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -84,8 +85,9 @@ def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace) -> list[str]:
         t.url,
         "--json",
         "--quiet",
-        "--ignore-eos",
     ]
+    if a.ignore_eos:
+        argv.append("--ignore-eos")
     argv += ["--timeout", str(a.point_timeout)]
     if t.model:
         argv += ["--model", t.model]
@@ -169,6 +171,10 @@ def rngd_stack(systems: Sequence[str], a: argparse.Namespace, out: Path) -> Iter
         str(int(a.server_timeout)),
         *a.serve_arg,
     ]
+    if a.attach:  # servers someone else started: nothing to start or stop
+        urls = dict(kv.split("=", 1) for kv in a.attach.split(","))
+        yield [Target(s, urls[s], kpi.parse_cards(getattr(a, f"{s}_cards"))) for s in systems if s in urls]
+        return
     with ExitStack() as stack:
         stack.enter_context(
             ServerProcess(
@@ -293,6 +299,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--llamacpp-threads", type=int, default=1, help="llama.cpp threads (see docs/benchmarks.md)"
     )
+    ap.add_argument("--ignore-eos", action="store_true", help="ask every system for exactly max_tokens")
+    ap.add_argument("--attach", default="", help="pd=URL,colocated=URL: use running front ends instead")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from --out/sweep.jsonl")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON lines")
     a = ap.parse_args(argv)
@@ -315,6 +323,11 @@ def latest_rows(path: Path) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every server this sweep started is stopped."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep, then write the report (text), the plot (PNG) and the rows (JSON lines).
 
@@ -322,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     into the same --out add up; --report-only rewrites the report without running anything.
     """
     a = parse_args(argv)
+    _exit_on_sigterm()
     if not a.report_only:
         run(a)
     rows = latest_rows(a.out / "sweep.jsonl")

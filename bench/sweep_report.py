@@ -32,6 +32,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "tpot_p99_ms": ("tpot_p99_ms", "tpot_ms_p99"),
     "slo_share": ("slo_share", "slo_ok_share", "share_within_slo"),
     "requests": ("requests", "completed", "ok"),
+    "mean_output_tokens": ("mean_output_tokens",),
     "errors": ("errors", "failed"),
 }
 
@@ -95,6 +96,8 @@ def metrics_table(rows: Sequence[dict[str, Any]]) -> str:
             label(r["system"]),
             r["workload"],
             _fmt(r.get("concurrency")),
+            _fmt(r.get("requests")),
+            _fmt(r.get("mean_output_tokens")),
             *(_fmt(r.get(m)) for m in METRICS),
             _fmt(r.get("mfu")),
             _fmt(r.get("power_w")),
@@ -102,7 +105,8 @@ def metrics_table(rows: Sequence[dict[str, Any]]) -> str:
         ]
         for r in ordered
     ]
-    return _grid(["system", "workload", "conc", *METRICS, "mfu", "power_w", "note"], body)
+    header = ["system", "workload", "conc", "reqs", "out_tok", *METRICS, "mfu", "power_w", "note"]
+    return _grid(header, body)
 
 
 def ratio_table(rows: Sequence[dict[str, Any]], metric: str = "output_tok_s", base: str = "pd") -> str:

@@ -123,3 +123,15 @@ def test_earliest_of_several_stop_strings_wins() -> None:
 
 def test_no_stop_strings_passes_text_through() -> None:
     assert _run_stop((), ["a", "b"]) == ("ab", False)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (full-sort path) to peaked (top-256 path)
+def test_nucleus_equals_the_full_sort(scale: float) -> None:
+    from rngd_pd.model.sampling import _nucleus
+
+    probs = torch.softmax(_logits(1, vocab=5000) * scale, dim=-1)
+    kept, idx = _nucleus(probs, None, 0.9)
+    values, order = torch.sort(probs, descending=True)
+    n = int((torch.cumsum(values, 0) < 0.9).sum()) + 1
+    assert set(idx.tolist()) == set(order[:n].tolist())
+    torch.testing.assert_close(kept, probs[idx])

@@ -8,7 +8,7 @@ disaggregated paths use the same class, so they finish requests the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rngd_pd.errors import ConfigError, ContextLengthError
@@ -67,7 +67,6 @@ class GenerationResult:
     prompt_token_ids: list[int]
     text: str  # generated text without the stop string and without EOS
     finish_reason: str
-    extra: dict = field(default_factory=dict)
 
 
 def check_request(

@@ -58,6 +58,9 @@ class _Ops:
         exact = out[:n].tobytes() == payload(seed, size) and not out[n:].any()
         return {"n": n, "exact": exact, "s": took}
 
+    def flush(self, t: str) -> None:
+        self.transports[t].flush()
+
     def held(self, t: str, key: str | None = None) -> tuple[int, int]:
         return self.transports[t].held(key)
 
@@ -337,6 +340,7 @@ def test_dead_pusher_is_a_transport_error_not_a_hang(peers, relay):
     try:
         dier("open", "main", addr=relay.addr, pool_mb=16)
         dier("push", "main", "dead", 0, 9, MiB)
+        dier("flush", "main")  # the descriptor is in the relay, the bytes only in the dead arena
         dier.crash()
         t0 = time.monotonic()
         with pytest.raises(PeerError, match="TransportError"):

@@ -6,10 +6,11 @@ environment (TCP today, `UCX_TLS=rc,...` on an RDMA NIC), the code stays the sam
 * Each process has one NIXL agent and registers one pre-faulted host arena once
   (`AIRM_KV_UCX_POOL_MB`, default 1024; the first transport of the process sizes it), see
   `rngd_pd.kv.ucx_endpoint`.
-* push copies the blob into an arena slot and puts a small JSON descriptor (agent name + metadata,
-  address, length, checksum, slot token) under the blob's (key, index) in the relay
-  (`AIRM_KV_TCP_ADDR`, the same `rngd-pd kv-relay` the tcp transport uses). A full arena waits up to
-  `capacity_wait_s` for reads to free room, then raises TransportCapacityError.
+* push copies the blob into an arena slot and returns; a background thread puts a small JSON
+  descriptor (agent name + metadata, address, length, checksum, slot token) under the blob's
+  (key, index) in the relay (`AIRM_KV_TCP_ADDR`, the same `rngd-pd kv-relay` the tcp transport uses),
+  in push order (`rngd_pd.kv.ucx_publish`). A full arena waits up to `capacity_wait_s` for reads to
+  free room, then raises TransportCapacityError.
 * pull waits for the descriptor, adds the remote agent once, READs the bytes into a slot of its own
   arena, checks the checksum, copies them into the caller's buffer. The READ carries a notification
   that frees the pusher's slot; a background thread in the pushing process serves those. Slots
@@ -44,6 +45,7 @@ from rngd_pd.kv.protocol import ConformanceCase
 from rngd_pd.kv.tcp import RelayClient, crc_from_env
 from rngd_pd.kv.ucx import apply_ucx_env, wait_xfer
 from rngd_pd.kv.ucx_endpoint import FREE_PREFIX
+from rngd_pd.kv.ucx_publish import Publisher
 
 log = logging.getLogger("rngd_pd.kv.nixl_ucx")
 
@@ -95,6 +97,7 @@ class NixlUcxTransport:
         self.relay = RelayClient(addr, secret)  # first: a missing relay address fails before NIXL starts
         apply_ucx_env(ucx_env)  # effective only if this process has no agent yet
         self.ep = ucx_endpoint.endpoint(pool_mb << 20)
+        self.publisher = Publisher(self.relay, self.ep.free_token)
         self._ahead: dict[tuple[str, int], _Read] = {}
         self._ahead_lock = threading.Lock()
         self._closed = False
@@ -102,7 +105,10 @@ class NixlUcxTransport:
     # push -------------------------------------------------------------------------------------------
 
     def push(self, key: str, index: int, data: Any) -> None:
-        """Copy into an arena slot and publish its descriptor; the slot lives until read or expired."""
+        """Copy into an arena slot, queue its descriptor for the relay; the slot lives until read or expired.
+
+        Returns once the bytes are in the arena; the descriptor follows in push order (`flush` waits for
+        it). A failed publication is raised by the next push or flush."""
         self._check_open(key)
         view = as_bytes(data)
         n = len(view)
@@ -122,11 +128,15 @@ class NixlUcxTransport:
         desc = {"v": DESCRIPTOR_VERSION, "agent": self.ep.agent.name, "md": self.ep.metadata,
                 "addr": self.ep.base + offset, "len": n, "alg": self.alg, "crc": crc, "token": token}
         try:
-            self.relay.put(key, index, json.dumps(desc).encode())
+            self.publisher.submit(key, index, json.dumps(desc).encode(), token)
         except BaseException:
             if token:
                 self.ep.free_token(token)
             raise
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every pushed blob's descriptor is in the relay (push returns before that)."""
+        self.publisher.flush(timeout)
 
     # pull -------------------------------------------------------------------------------------------
 
@@ -262,6 +272,7 @@ class NixlUcxTransport:
     def release(self, key: str) -> None:
         """Drop the key's descriptors from the relay, its read-aheads here and its unread pushed slots."""
         self._check_open(key)
+        self.publisher.flush()  # a descriptor still queued must not reappear after the delete
         self._drop_ahead(lambda k: k[0] == key)
         self.ep.drop_key(key)
         self.relay.delete(key)
@@ -274,8 +285,11 @@ class NixlUcxTransport:
         """Close the relay connection, free read-aheads. The process's agent and arena stay."""
         if not self._closed:
             self._closed = True
-            self._drop_ahead(lambda k: True)
-            self.relay.close()
+            try:
+                self.publisher.close()
+            finally:
+                self._drop_ahead(lambda k: True)
+                self.relay.close()
 
     def _check_open(self, key: str) -> None:
         if self._closed:

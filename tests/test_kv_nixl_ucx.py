@@ -203,6 +203,28 @@ def test_ucx_defaults_never_override_the_user(monkeypatch):
     assert env["UCX_TCP_TX_SEG_SIZE"] == "512k" and env["UCX_MODULES"] == "^ib"
 
 
+def test_publisher_keeps_push_order_and_reports_a_failed_put():
+    from rngd_pd.errors import TransportError
+    from rngd_pd.kv.relayproc import start_relay
+    from rngd_pd.kv.ucx_publish import Publisher
+
+    freed: list[str] = []
+    with start_relay() as relay:
+        client = RelayClient(relay.addr)
+        pub = Publisher(client, freed.append)
+        for i in range(50):
+            pub.submit("pub", i, f"d{i}".encode(), f"t{i}")
+        pub.flush(10)
+        assert [client.get("pub", i, 1.0) for i in (0, 49)] == [b"d0", b"d49"]
+        relay.stop()
+        pub.submit("pub", 50, b"late", "t50")
+        with pytest.raises(TransportError, match="blob 50"):
+            pub.flush(10)
+        assert freed == ["t50"]  # the slot of a blob nobody can find is given back
+        pub.close(5)
+        client.close()
+
+
 # ------------------------------------------------------------------------------ real NIXL
 @pytest.mark.nixl
 def test_describe_cli_names_plugin_and_settings(ucx_info):

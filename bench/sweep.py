@@ -92,7 +92,7 @@ def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace) -> list[str]:
     if t.model:
         argv += ["--model", t.model]
     if w.trace is not None:
-        argv += ["--trace", str(w.trace), "--requests", str(w.requests)]
+        argv += ["--trace", str(w.trace), "--requests", str(w.requests), "--trace-speed", str(a.trace_speed)]
     else:
         argv += [
             "--concurrency",
@@ -284,6 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trace", type=Path, default=MIXED_CSV, help="mixed-length Azure trace ('' = skip)")
     ap.add_argument("--trace-requests", type=int, default=48)
     ap.add_argument("--trace-rate", type=float, default=1.0, help="arrivals/s when the trace is written")
+    ap.add_argument("--trace-speed", type=float, default=1.0, help="replay the trace this many times faster")
     ap.add_argument(
         "--quick", action="store_true", help="concurrency 1,4, prompt 128, output 32, 8 trace rows"
     )

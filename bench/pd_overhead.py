@@ -7,6 +7,8 @@ engine (in this process, no Triton), per KV transport, and how much of the KV tr
 For each transport it starts a relay when the transport needs one, then a tritonserver with prefill,
 decode, pd and colocated (cpu config), and streams the same prompts sequentially through both models:
 
+Requests to the two layouts alternate, so a load that drifts during the run hits both alike.
+
 * ttft: client-side time to the first token; gap2: first -> second token; tpot: mean time per token
   after the second (decode steady state).
 * pd puts the first token on the wire as soon as prefill returns it, so the hand-off shows up in gap2:
@@ -135,11 +137,11 @@ def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Nam
         cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
         server = stack.enter_context(TritonServer(cfg, log=repo / "tritonserver.log"))
         server.wait_ready(600)
-        rows = []
-        for model in ("colocated", "pd"):
-            runs = [stream_times(server.grpc_url, model, ids, args.max_tokens)
-                    for _ in range(args.requests + 1)]
-            rows.append({"transport": name, "layout": model, **summarize(runs[1:])})
+        runs: dict[str, list[list[float]]] = {"colocated": [], "pd": []}
+        for _ in range(args.requests + 1):  # alternate, so drifting load hits both layouts alike
+            for model, times in runs.items():
+                times.append(stream_times(server.grpc_url, model, ids, args.max_tokens))
+        rows = [{"transport": name, "layout": m, **summarize(r[1:])} for m, r in runs.items()]
         xfer = transfer_ms(name, loaded, len(ids))
     handoff = rows[1]["gap2_ms"] - rows[0]["gap2_ms"]
     rows[1].update(handoff_ms=handoff, xfer_ms=xfer, hidden=min(1.0, max(0.0, 1 - max(handoff, 0) / xfer)),

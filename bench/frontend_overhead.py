@@ -6,9 +6,10 @@
 The same greedy request (same token ids) is streamed alternately (a) straight to Triton with the
 front end's own gRPC client (`rngd_pd.frontend.backend.TritonBackend`) and (b) through a front end
 process (`rngd-pd frontend`) over HTTP/SSE. Per path: TTFT, mean time per token after the first, end
-to end. The overhead per token is the difference of the medians; because the engine's step time is
-noisy on a shared CPU, the front end's CPU time per streamed token (from /proc, all of its threads)
-is reported too: that is what each token costs the front end however fast the engine is.
+to end. The overhead per token is the difference of the medians. Because the engine's step time and the
+scheduling of a second process are noisy on a shared CPU, two steadier figures are reported too:
+the front end's own latency histograms (request arrival -> Triton request sent; a token's arrival
+from Triton -> its SSE chunk written), and its CPU time per streamed token (from /proc, all threads).
 Without --triton-url a tritonserver with the repository's models is started (cpu config, shm).
 """
 
@@ -107,6 +108,26 @@ def frontend(triton_url: str, model: str) -> Iterator[tuple[str, int]]:
             proc.wait(5)
 
 
+def histogram_totals(url: str) -> dict[str, float]:
+    """{name_sum / name_count: value} of the front end's own latency histograms (from /metrics)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(
+            ("rngd_pd_frontend_preprocess_seconds_", "rngd_pd_frontend_token_latency_seconds_")
+        ):
+            out[name] = float(value)
+    return out
+
+
+def _mean_ms(after: dict[str, float], before: dict[str, float], name: str) -> float | None:
+    n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+    return round(1000 * total / n, 4) if n else None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, all threads (from /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -183,6 +204,7 @@ def measure(args: argparse.Namespace, triton_url: str) -> dict[str, Any]:
     with frontend(triton_url, args.triton_model) as (url, pid):
         asyncio.run(via_http(url, ids, 4))  # warm both paths
         asyncio.run(direct(triton_url, args.triton_model, ids, 4))
+        inside_before = histogram_totals(url)
         cpu = direct_cpu = 0.0
         for _ in range(args.reps):
             before = time.process_time()
@@ -191,6 +213,7 @@ def measure(args: argparse.Namespace, triton_url: str) -> dict[str, Any]:
             before = cpu_seconds(pid)
             runs["frontend"].append(asyncio.run(via_http(url, ids, args.max_tokens)))
             cpu += cpu_seconds(pid) - before
+        inside = histogram_totals(url)
     tokens = sum(r["tokens"] for r in runs["frontend"])
     direct_tokens = sum(r["tokens"] for r in runs["direct"])
     med = {
@@ -208,6 +231,8 @@ def measure(args: argparse.Namespace, triton_url: str) -> dict[str, Any]:
         "overhead_per_token_ms": round(med["frontend"]["tpot_ms"] - med["direct"]["tpot_ms"], 3),
         "frontend_cpu_ms_per_token": round(1000 * cpu / max(tokens, 1), 3),
         "direct_client_cpu_ms_per_token": round(1000 * direct_cpu / max(direct_tokens, 1), 3),
+        "inside_preprocess_ms": _mean_ms(inside, inside_before, "rngd_pd_frontend_preprocess_seconds"),
+        "inside_token_latency_ms": _mean_ms(inside, inside_before, "rngd_pd_frontend_token_latency_seconds"),
     }
 
 
@@ -220,6 +245,11 @@ def table(row: dict[str, Any]) -> str:
         )
     lines.append(
         f"overhead: TTFT {row['overhead_ttft_ms']:+.2f} ms, per token {row['overhead_per_token_ms']:+.3f} ms"
+    )
+    lines.append(
+        f"measured inside the front end (mean): request arrival -> Triton request sent "
+        f"{row['inside_preprocess_ms']} ms; token from Triton -> SSE chunk written "
+        f"{row['inside_token_latency_ms']} ms"
     )
     lines.append(
         f"CPU per token: front end process {row['frontend_cpu_ms_per_token']:.3f} ms (goal < 1 ms), "

@@ -148,9 +148,12 @@ def test_models_health_metrics(url, backend):
     r = httpx.get(url + "/health")
     assert r.status_code == 503 and "not ready" in r.json()["detail"]
     client(url).completions.create(model=MODEL, prompt="x", max_tokens=4)
+    list(client(url).completions.create(model=MODEL, prompt="x", max_tokens=5, stream=True))
     metrics = httpx.get(url + "/metrics").text
-    assert "rngd_pd_frontend_completion_tokens_total 4.0" in metrics
-    assert 'rngd_pd_frontend_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
+    assert "rngd_pd_frontend_completion_tokens_total 9.0" in metrics
+    assert "rngd_pd_frontend_preprocess_seconds_count 2.0" in metrics
+    assert "rngd_pd_frontend_token_latency_seconds_count 4.0" in metrics  # streamed chunks after the first
+    assert 'rngd_pd_frontend_requests_total{endpoint="/v1/completions",status="200"} 2.0' in metrics
     assert "airm_tpot_p90_ms" in metrics and "airm_ttft_p90_ms" in metrics
 
 

@@ -79,6 +79,7 @@ class _StatusCounter:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[handlers.ARRIVAL_KEY] = time.perf_counter()
         path = scope["path"] if scope["path"] in _COUNTED_PATHS else "other"
 
         async def counting_send(message: Any) -> None:

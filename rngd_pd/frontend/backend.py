@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +41,7 @@ class TokenChunk:
 
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # "length" | "stop" | "eos" on the final chunk
+    received_at: float = 0.0  # time.perf_counter() when it arrived (0 = unknown)
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ class TritonBackend:
                 if resp.error_message:
                     done = True
                     raise _model_error(resp.error_message, self.model)
-                chunk, final = _parse(resp.infer_response)
+                chunk, final = _parse(resp.infer_response, time.perf_counter())
                 if chunk.token_ids or chunk.finish_reason:
                     yield chunk
                 if chunk.finish_reason or final:
@@ -218,7 +220,7 @@ def _pack(dtype: str, seq: list) -> bytes:
     return np.asarray(seq, dtype=_NP[dtype]).tobytes()
 
 
-def _parse(resp: service_pb2.ModelInferResponse) -> tuple[TokenChunk, bool]:
+def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tuple[TokenChunk, bool]:
     ids: tuple[int, ...] = ()
     reason = None
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
@@ -232,7 +234,7 @@ def _parse(resp: service_pb2.ModelInferResponse) -> tuple[TokenChunk, bool]:
         if "triton_final_response" in resp.parameters
         else False
     )
-    return TokenChunk(ids, reason), final
+    return TokenChunk(ids, reason, received_at), final
 
 
 def _model_error(message: str, model: str) -> APIError:

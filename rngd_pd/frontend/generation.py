@@ -21,7 +21,7 @@ from rngd_pd.model.sampling import StopChecker
 
 @dataclass
 class Timing:
-    """Monotonic timestamps of one request (seconds), for metrics and usage."""
+    """perf_counter timestamps of one request (seconds), from its arrival at the front end."""
 
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -40,7 +40,9 @@ class Timing:
 class TextGeneration:
     """One request's generation: iterate `text()` for the text deltas, then read the results."""
 
-    def __init__(self, backend: Backend, tokenizer: TokenizerLike, req: GenerateRequest) -> None:
+    def __init__(
+        self, backend: Backend, tokenizer: TokenizerLike, req: GenerateRequest, arrival: float | None = None
+    ) -> None:
         self.backend, self.req = backend, req
         self._decoder = tokenizer.stream_decoder()
         self._stop = StopChecker(req.params.stop)
@@ -48,14 +50,18 @@ class TextGeneration:
         self.prompt_tokens = len(req.input_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None  # OpenAI's: "stop" | "length"
-        self.timing = Timing()
+        self.timing = Timing() if arrival is None else Timing(start=arrival)
+        self.sent_at: float | None = None  # when the Triton request went out (after preprocessing)
+        self.chunk_at = 0.0  # arrival of the chunk behind the text last yielded
 
     async def text(self) -> AsyncIterator[str]:
         """Yield non-empty text deltas; `finish_reason` is set when this ends normally."""
         stream = self.backend.generate(self.req)
+        self.sent_at = time.perf_counter()
         try:
             async for chunk in stream:
                 now = time.perf_counter()
+                self.chunk_at = chunk.received_at or now
                 if chunk.token_ids and self.timing.first_token is None:
                     self.timing.first_token = now
                 text, stopped = self._push(chunk.token_ids)

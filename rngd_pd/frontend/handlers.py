@@ -147,7 +147,10 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = TextGeneration(
-        state.backend, state.model.tokenizer, GenerateRequest(rid, ids, _sampling(body, max_tokens))
+        state.backend,
+        state.model.tokenizer,
+        GenerateRequest(rid, ids, _sampling(body, max_tokens)),
+        arrival=request.scope.get(ARRIVAL_KEY),
     )
     echo = None
     if body.echo:
@@ -172,7 +175,10 @@ async def chat(state: FrontendState, body: ChatCompletionRequest, request: Reque
     max_tokens = resolve_max_tokens(state.model, len(ids), requested, None, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = TextGeneration(
-        state.backend, state.model.tokenizer, GenerateRequest(rid, ids, _sampling(body, max_tokens))
+        state.backend,
+        state.model.tokenizer,
+        GenerateRequest(rid, ids, _sampling(body, max_tokens)),
+        arrival=request.scope.get(ARRIVAL_KEY),
     )
     if body.stream:
         return await _stream(state, request, gen, ChatFrames(rid, body.model), body.include_usage())
@@ -185,6 +191,9 @@ async def chat(state: FrontendState, body: ChatCompletionRequest, request: Reque
     )
 
 
+ARRIVAL_KEY = "rngd_pd.arrival"  # ASGI scope key: perf_counter() when the request reached the app
+
+
 def _admit(state: FrontendState) -> None:
     state.limiter.acquire()
     state.metrics.in_flight.inc()
@@ -194,6 +203,8 @@ def _retire(state: FrontendState, gen: TextGeneration, client_gone: bool) -> Non
     """Free the concurrency slot and record how the request ended."""
     state.limiter.release()
     state.metrics.in_flight.dec()
+    if gen.sent_at is not None:
+        state.metrics.preprocess.observe(gen.sent_at - gen.timing.start)
     if gen.finish_reason is not None:
         state.metrics.finished(
             gen.prompt_tokens,
@@ -248,7 +259,9 @@ async def _stream(
             if first:
                 yield frames.delta(first)
             async for text in it:
-                yield frames.delta(text)
+                frame = frames.delta(text)
+                state.metrics.token_latency.observe(time.perf_counter() - gen.chunk_at)
+                yield frame
         except APIError as exc:  # after the 200 went out, an error can only be an event
             yield sse(exc.body())
             yield DONE

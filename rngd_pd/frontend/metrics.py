@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 WINDOW = 512
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 
 __all__ = ["CONTENT_TYPE", "FrontendMetrics"]
@@ -59,6 +60,18 @@ class FrontendMetrics:
             p + "request_seconds",
             "Request latency, arrival to last token",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preprocess = Histogram(
+            p + "preprocess_seconds",
+            "Request arrival to the Triton request sent (parse, validate, tokenize)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.token_latency = Histogram(
+            p + "token_latency_seconds",
+            "A token's arrival from Triton to its SSE chunk being written (detokenize, stop strings, JSON)",
+            buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
         self._lock = threading.Lock()

@@ -92,3 +92,13 @@ def test_load_tokenizer_reads_no_weights(smollm):
     config, tok = load_tokenizer()
     assert config == smollm.config
     assert tok.encode(TEXTS[1]) == smollm.tokenizer.encode(TEXTS[1])
+
+
+def test_gguf_add_bos_token_prepends_bos_like_hf():
+    from rngd_pd.model.tokenizer import Tokenizer, tokenizer_from_gguf
+
+    bpe = tokenizer_from_gguf(["<s>", "a", "b", "ab"], ["a b"], [3, 1, 1, 1], "default", "gpt2", bos_id=0)
+    tok = Tokenizer(bpe, (0,))
+    assert tok.encode("ab") == [0, 3]
+    assert tok.encode("<s>ab", add_special_tokens=False) == [0, 3]
+    assert tok.decode([0, 3]) == "<s>ab" and tok.decode([0, 3], skip_special_tokens=True) == "ab"

@@ -149,6 +149,7 @@ class GGUFCheckpoint:
             list(self.meta("tokenizer.ggml.token_type") or []),
             str(self.meta("tokenizer.ggml.pre", "default")),
             str(self.meta("tokenizer.ggml.model", "gpt2")),
+            config.bos_token_id if self.meta("tokenizer.ggml.add_bos_token", False) else None,
         )
         bos = config.bos_token_id
         return Tokenizer(

@@ -11,7 +11,7 @@ from datetime import datetime
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from rngd_pd.errors import ConfigError, ModelLoadError
@@ -42,7 +42,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 def tokenizer_from_gguf(
-    tokens: list[str], merges: list[str], token_types: list[int], pre: str, model: str
+    tokens: list[str],
+    merges: list[str],
+    token_types: list[int],
+    pre: str,
+    model: str,
+    bos_id: int | None = None,
 ) -> HFTokenizer:
     """Byte-level BPE equal to the checkpoint's own tokenizer, from GGUF tokenizer.ggml.* fields."""
     if model != "gpt2":
@@ -55,6 +60,10 @@ def tokenizer_from_gguf(
     tok = HFTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
+    if bos_id is not None:  # tokenizer.ggml.add_bos_token: encode() prepends BOS, as HF's does
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos_id]}:0 $A:0", special_tokens=[(tokens[bos_id], bos_id)]
+        )
     special = [t for t, ty in zip(tokens, token_types, strict=False) if ty == _CONTROL]
     user = [t for t, ty in zip(tokens, token_types, strict=False) if ty == _USER_DEFINED]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
@@ -84,9 +93,12 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text; special tokens written in it (<|im_start|>) become their ids. No BOS added."""
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text, as Hugging Face's tokenizer(text) gives them by default: special tokens
+        written in it (<|im_start|>) become their ids, and the checkpoint's own post-processor adds
+        BOS where it wants one (Llama-3: yes; SmolLM: no). Pass False for an already templated
+        prompt that starts with the BOS text."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ids (special tokens kept by default, as Hugging Face does)."""

@@ -199,8 +199,12 @@ def test_ucx_defaults_never_override_the_user(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("UCX_TLS", "rc,ud,sm,self")
     env = apply_ucx_env()
-    assert env["UCX_TLS"] == "rc,ud,sm,self"
-    assert env["UCX_TCP_TX_SEG_SIZE"] == "512k" and env["UCX_MODULES"] == "^ib"
+    assert env["UCX_TLS"] == "rc,ud,sm,self" and env["UCX_MODULES"] == "^ib"
+    assert "UCX_TCP_TX_SEG_SIZE" not in env  # no TCP in use: UCX would warn about the setting
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "1m")
+    env = apply_ucx_env()
+    assert env["UCX_TCP_TX_SEG_SIZE"] == "512k" and env["UCX_TCP_RX_SEG_SIZE"] == "1m"
 
 
 def test_publisher_keeps_push_order_and_reports_a_failed_put():
@@ -258,9 +262,9 @@ def test_read_ahead_posts_the_next_reads_and_release_frees_them(peers):
     assert b("arena_used", "main") == 0
     got = b("pull", "main", "ra", 0, 20, MiB, 30.0)
     assert got["exact"]
-    assert b("arena_used", "main") == 2 * MiB  # blobs 1 and 2 are being read ahead
+    assert _wait_until(lambda: b("arena_used", "main") == 2 * MiB)  # blobs 1 and 2 are read ahead
     assert b("pull", "main", "ra", 1, 21, MiB, 30.0)["exact"]  # served from the read-ahead
-    assert b("arena_used", "main") == 2 * MiB  # now blobs 2 and 3
+    assert _wait_until(lambda: b("arena_used", "main") == 2 * MiB)  # now blobs 2 and 3
     b("release", "main", "ra")  # nobody will pull 2 and 3: release drops their read-aheads
     assert b("arena_used", "main") == 0
     # NIXL sends a READ's notification once the reader sees it complete: all four slots freed

@@ -54,8 +54,11 @@ def apply_ucx_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """
     if env:
         os.environ.update({k: str(v) for k, v in env.items()})
+    tls = os.environ.setdefault("UCX_TLS", UCX_DEFAULTS["UCX_TLS"]).split(",")
+    uses_tcp = any(t.strip() in ("tcp", "all") for t in tls)
     for name, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+        if uses_tcp or "_TCP_" not in name:  # UCX warns about settings of a transport it does not use
+            os.environ.setdefault(name, value)
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
 
 

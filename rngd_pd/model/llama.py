@@ -98,6 +98,8 @@ class Llama(nn.Module):
         p = int(past[0][0].shape[1]) if past else 0
         if t < 1:
             raise ConfigError("prefill needs at least one token")
+        if past is not None and len(past) != c.num_layers:
+            raise ConfigError(f"past has K/V for {len(past)} layers, the model has {c.num_layers}")
         cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
         blocks = _causal_blocks(p, t)
         x = F.embedding(tokens, self.embed)  # [T, D]
@@ -198,6 +200,8 @@ def _attend_causal(q: Tensor, k: Tensor, v: Tensor, blocks: list[QueryBlock], sc
 
 def _slot_selector(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> slice | list[int]:
     """Validate a step's rows; a run of consecutive slots is read as a view (no gather copy)."""
+    if b < 1:
+        raise ConfigError("decode_step needs at least one row")
     if len(slots) != b or len(pos) != b:
         raise ConfigError(f"decode_step got {b} tokens, {len(pos)} positions and {len(slots)} slots")
     if min(slots) < 0 or max(slots) >= cache.num_slots or len(set(slots)) != b:

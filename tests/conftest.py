@@ -12,7 +12,10 @@ def engine_model():
 
     from rngd_pd.model import load_model
 
-    torch.set_num_threads(2)
+    # One thread: on these shared 2-core machines two OpenMP threads wait at every barrier for a core
+    # someone else holds; measured: a 16-token prefill 107 ms with 1 thread, 2-4 s with 2, and the
+    # model tests 54 s instead of 610 s.
+    torch.set_num_threads(1)
     return load_model(progress=False)
 
 

@@ -44,7 +44,7 @@ def _ragged(tok, b: int) -> list[int]:
     return _ids(tok, 5 + (b * 13) % 41, seed=b)
 
 
-@pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("batch", [1, 4, 16])
 def test_batched_ragged_decode_equals_alone(smollm, batch):
     prompts = [_ragged(smollm.tokenizer, b) for b in range(batch)]
     together = greedy_batch(smollm.model, prompts, 8, kv_dtype=BF16)

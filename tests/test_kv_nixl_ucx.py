@@ -229,6 +229,23 @@ def test_publisher_keeps_push_order_and_reports_a_failed_put():
         client.close()
 
 
+def test_bad_settings_fail_before_any_nixl_agent_exists(monkeypatch):
+    from rngd_pd.errors import TransportError
+    from rngd_pd.kv.nixl_ucx import NixlUcxTransport
+
+    monkeypatch.delenv("AIRM_KV_TCP_ADDR", raising=False)
+    with pytest.raises(TransportError, match="AIRM_KV_TCP_ADDR"):
+        NixlUcxTransport()
+    with pytest.raises(TransportError, match="AIRM_KV_UCX_POOL_MB"):
+        NixlUcxTransport("127.0.0.1:1", pool_mb=0)
+    monkeypatch.setenv("AIRM_KV_UCX_READ_AHEAD", "lots")
+    with pytest.raises(TransportError, match=r"AIRM_KV_UCX_READ_AHEAD.*'lots'"):
+        NixlUcxTransport("127.0.0.1:1")
+    from rngd_pd.kv import ucx_endpoint
+
+    assert ucx_endpoint.current() is None  # nothing above got as far as creating an agent
+
+
 # ------------------------------------------------------------------------------ real NIXL
 @pytest.mark.nixl
 def test_describe_cli_names_plugin_and_settings(ucx_info):

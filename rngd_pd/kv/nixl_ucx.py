@@ -66,6 +66,18 @@ class _Read:
     posted: float
 
 
+def _setting(name: str, given: Any, default: str, kind: type, minimum: float) -> Any:
+    """An option, else its environment variable, else the default; TransportError naming it if bad."""
+    raw = given if given is not None else os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < minimum:
+        raise TransportError(f"{name} (or its option) must be a {kind.__name__} >= {minimum:g}, got {raw!r}")
+    return value
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
@@ -83,14 +95,9 @@ class NixlUcxTransport:
                  pool_mb: int | None = None, ttl_s: float | None = None, crc: str | bool | None = True,
                  log_blobs: bool | None = None, ucx_env: dict[str, str] | None = None,
                  capacity_wait_s: float = 2.0, read_ahead: int | None = None) -> None:
-        env = os.environ
-        self.ttl_s = float(ttl_s if ttl_s is not None else env.get("AIRM_KV_TCP_TTL_S", "300"))
-        pool_mb = int(pool_mb if pool_mb is not None else env.get("AIRM_KV_UCX_POOL_MB", "1024"))
-        ahead = read_ahead if read_ahead is not None else env.get("AIRM_KV_UCX_READ_AHEAD", "2")
-        self.read_ahead = int(ahead)
-        if pool_mb <= 0 or self.ttl_s <= 0 or self.read_ahead < 0:
-            raise TransportError(f"AIRM_KV_UCX_POOL_MB ({pool_mb}) and AIRM_KV_TCP_TTL_S ({self.ttl_s}) must "
-                                 f"be positive, AIRM_KV_UCX_READ_AHEAD ({self.read_ahead}) at least 0")
+        self.ttl_s = _setting("AIRM_KV_TCP_TTL_S", ttl_s, "300", float, 1e-3)
+        pool_mb = _setting("AIRM_KV_UCX_POOL_MB", pool_mb, "1024", int, 1)
+        self.read_ahead = _setting("AIRM_KV_UCX_READ_AHEAD", read_ahead, "2", int, 0)
         self.alg = crc_from_env() if crc is True else (crc or None)
         self.log_blobs = _env_flag("AIRM_KV_UCX_LOG") if log_blobs is None else log_blobs
         self.capacity_wait_s = capacity_wait_s

@@ -215,6 +215,7 @@ class NixlUcxTransport:
                                      key=key) from None
         if state != "DONE":
             self.ep.unreserve(rd.offset, n)
+            self.ep.forget(rd.desc["agent"])
             raise TransportError(f"NIXL READ of blob {index} from agent {rd.desc['agent']} failed ({state}); "
                                  "is the pushing process still running?", key=key)
 

@@ -49,6 +49,7 @@ class Endpoint:
         self.allocator = SlotAllocator(pool_bytes)
         self.slots: dict[str, Slot] = {}  # token -> a pushed slot not yet read
         self.remotes: set[str] = set()
+        self._remote_lock = threading.Lock()
         self.quarantined = 0  # bytes of slots a READ that could not be cancelled may still write
         self._tokens = itertools.count(1)
         self._wake = threading.Event()
@@ -157,7 +158,7 @@ class Endpoint:
 
     def remote(self, name: str, metadata_b64: str, key: str) -> str:
         """Add a remote agent the first time we see it (its metadata travels in the descriptor)."""
-        with self.lock:
+        with self._remote_lock:
             if name in self.remotes or name == self.agent.name:  # ourselves: a loopback READ
                 return name
             try:
@@ -167,6 +168,16 @@ class Endpoint:
                                      key=key) from None
             self.remotes.add(added)
             return added
+
+    def forget(self, name: str) -> None:
+        """Drop a remote agent whose READ failed (its process likely died); re-added if seen again."""
+        with self._remote_lock:
+            if name in self.remotes:
+                self.remotes.discard(name)
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception as exc:
+                    log.info("nixl-ucx: removing agent %s failed: %s", name, exc)
 
 
 _endpoint: Endpoint | None = None

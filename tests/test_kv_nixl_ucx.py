@@ -251,7 +251,8 @@ def test_bad_settings_fail_before_any_nixl_agent_exists(monkeypatch):
 def test_describe_cli_names_plugin_and_settings(ucx_info):
     assert ucx_info["nixl version"] and "UCX" in ucx_info["plugins available"]
     assert ucx_info["UCX settings in force"]["UCX_MODULES"]
-    assert "UCX backend params in force" in ucx_info
+    assert ucx_info["UCX transports"] == ucx_info["UCX settings in force"]["UCX_TLS"]
+    assert "UCX backend params (beyond the plugin defaults)" in ucx_info
 
 
 @pytest.mark.nixl

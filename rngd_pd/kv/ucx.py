@@ -303,7 +303,9 @@ def describe() -> dict[str, Any]:
     ucx_env = apply_ucx_env()
     info["UCX settings (preset by you)"] = preset
     info["UCX settings in force"] = ucx_env
-    info["UCX backend params"] = backend_params(ucx_env)
+    info["UCX transports"] = ucx_env.get("UCX_TLS", "all (UCX default)")
+    info["UCX devices"] = ucx_env.get("UCX_NET_DEVICES", "all (UCX default)")
+    info["UCX backend params (beyond the plugin defaults)"] = backend_params(ucx_env)
     try:
         agent = create_agent()
     except TransportError as exc:
@@ -312,7 +314,6 @@ def describe() -> dict[str, Any]:
     info["agent"] = agent.name
     info["plugins available"] = agent.get_plugin_list()
     info["UCX plugin params"] = agent.get_plugin_params("UCX")
-    info["UCX backend params in force"] = agent.get_backend_params("UCX")
     info["UCX memory types"] = agent.get_backend_mem_types("UCX")
     info["arena MiB (AIRM_KV_UCX_POOL_MB)"] = int(os.environ.get("AIRM_KV_UCX_POOL_MB", "1024"))
     info["infiniband devices"] = sorted(os.listdir("/sys/class/infiniband")) \

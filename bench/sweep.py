@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def run_point(t: Target, w: Workload, a: argparse.Namespace, cfg: Any, peak: flo
     row = sweep_report.normalise(raw, **base)
     row.update(kpi.kpis(raw, cfg, peak, power))
     row["wall_s"] = round(time.monotonic() - t0, 1)
+    row["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other work on the machine during the point
     row["raw"] = raw
     return row
 

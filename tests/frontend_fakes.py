@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 
-from rngd_pd.frontend.backend import GenerateRequest, TokenChunk
+from rngd_pd.frontend.backend import GenerateRequest, TokenChunk, check_supported
 
 SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Naïve café ünïcödé 🙂 END of script. "
 
@@ -22,15 +22,25 @@ class FakeBackend:
     """Streams the tokens of SCRIPT (cycled), one per chunk, `delay` seconds apart.
 
     Records which requests started, finished and were cancelled (closed before their final chunk),
-    so tests can check that a client going away reaches the layer below.
+    so tests can check that a client going away reaches the layer below. `inputs` are the optional
+    inputs the pretend Triton model declares (checked as TritonBackend checks them); `served_max_len`
+    is the context limit it reports (None: says nothing).
     """
 
     def __init__(
-        self, tokenizer, delay: float = 0.0, script: str = SCRIPT, eos_at: int | None = None
+        self,
+        tokenizer,
+        delay: float = 0.0,
+        script: str = SCRIPT,
+        eos_at: int | None = None,
+        inputs: tuple[str, ...] = (),
+        served_max_len: int | None = None,
     ) -> None:
         self.ids = tokenizer.encode(script)
         self.eos = tokenizer.eos_token_ids[0]
         self.delay, self.eos_at = delay, eos_at
+        self.inputs = dict.fromkeys(inputs, "BOOL")
+        self.served_max_len = served_max_len
         self.started: list[str] = []
         self.finished: list[str] = []
         self.cancelled: list[str] = []
@@ -44,10 +54,14 @@ class FakeBackend:
     async def ready(self) -> str | None:
         return self.ready_reason
 
+    async def max_len(self) -> int | None:
+        return self.served_max_len
+
     async def close(self) -> None:
         pass
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        check_supported("fake", req.params, self.inputs)
         self.started.append(req.request_id)
         self.requests.append(req)
         done = False
@@ -57,9 +71,11 @@ class FakeBackend:
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 if self.eos_at is not None and i == self.eos_at:
-                    done = True
-                    yield TokenChunk((self.eos,), "eos")
-                    return
+                    if not req.params.ignore_eos:
+                        done = True
+                        yield TokenChunk((self.eos,), "eos")
+                        return
+                    tid = self.eos  # generated like any token, and generation goes on
                 last = i == n - 1
                 done = last
                 yield TokenChunk((tid,), "length" if last else None)

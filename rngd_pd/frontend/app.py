@@ -7,10 +7,12 @@ status is sent with its first token, so everything before that still gets a prop
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -94,11 +96,28 @@ class FrontendState:
     """What the request handlers share; one per app."""
 
     def __init__(self, config: FrontendConfig, model: ServedModel, backend: Backend) -> None:
+        if config.max_model_len is not None and config.max_model_len < model.max_model_len:
+            model = replace(model, max_model_len=config.max_model_len)
         self.config, self.model, self.backend = config, model, backend
+        self.checkpoint_limit = model.max_model_len  # the checkpoint's context, or --max-model-len
         self.api_key = config.resolved_api_key()
         self.limiter = Limiter(config.max_concurrency)
         self.metrics = FrontendMetrics()
         self.created = int(time.time())
+
+    async def context_model(self) -> ServedModel:
+        """The served model with the context limit Triton really serves: min(checkpoint's context,
+        the Triton model's `max_len`), so an over-long request gets the front end's 400 with the
+        lengths. Asked once and again after a Triton error; `--max-model-len` replaces the question.
+        """
+        if self.config.max_model_len is None:
+            served = await self.backend.max_len()
+            if served is not None:
+                limit = min(self.checkpoint_limit, served)
+                if limit != self.model.max_model_len:
+                    log.info("context limit %d (Triton model serves %d tokens)", limit, served)
+                    self.model = replace(self.model, max_model_len=limit)
+        return self.model
 
 
 def _state(request: Request) -> FrontendState:
@@ -128,7 +147,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        # learn the served context limit now if Triton is up (else at /health or the first request)
+        learn = asyncio.create_task(state.context_model())
         yield
+        learn.cancel()
+        await asyncio.gather(learn, return_exceptions=True)
         await state.backend.close()
 
     app = FastAPI(
@@ -141,7 +164,7 @@ def create_app(
     app.add_middleware(_StatusCounter, metrics=state.metrics)
     install_handlers(app)
     _add_routes(app)
-    _tidy_openapi(app, secured=state.api_key is not None, limits=model)
+    _tidy_openapi(app, secured=state.api_key is not None, state=state)
     return app
 
 
@@ -169,7 +192,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]}, dependencies=auth)
     async def models(request: Request) -> ModelList:
         s = _state(request)
-        card = ModelCard(id=s.model.name, created=s.created, max_model_len=s.model.max_model_len)
+        model = await s.context_model()
+        card = ModelCard(id=model.name, created=s.created, max_model_len=model.max_model_len)
         return ModelList(data=[card])
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
@@ -177,6 +201,7 @@ def _add_routes(app: FastAPI) -> None:
         """200 only when Triton and the served model are ready."""
         reason = await _state(request).backend.ready()
         if reason is None:
+            await _state(request).context_model()  # Triton may have come up since start-up
             return HealthResponse(status="ok")
         return JSONResponse(HealthResponse(status="unavailable", detail=reason).model_dump(), status_code=503)
 
@@ -190,13 +215,19 @@ def _add_routes(app: FastAPI) -> None:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _tidy_openapi(app: FastAPI, secured: bool, limits: ServedModel) -> None:
+def _tidy_openapi(app: FastAPI, secured: bool, state: FrontendState) -> None:
     """Make the schema say what the app does: validation errors are OpenAI-style 400s (not 422), the
     bearer scheme and 401s appear only when an API key is configured, `model` names the served model
-    (any other name is a 404), and token ids and max_tokens carry the model's bounds."""
+    (any other name is a 404), and token ids and max_tokens carry the model's bounds (rebuilt when
+    the context limit learned from Triton changes)."""
     original = app.openapi
+    built_for: list[int] = []
 
     def openapi() -> dict[str, Any]:
+        limits = state.model
+        if built_for != [limits.max_model_len]:
+            app.openapi_schema = None
+            built_for[:] = [limits.max_model_len]
         if app.openapi_schema is None:
             schema = original()
             for path in schema.get("paths", {}).values():

@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
-from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.params import SamplingParams
 
 _NP = {
     "INT32": np.int32,
@@ -57,6 +57,10 @@ class Backend(Protocol):
     async def ready(self) -> str | None:
         """None when requests can be served, else why not (for /health's 503)."""
 
+    async def max_len(self) -> int | None:
+        """The longest prompt + max_tokens the server's model accepts; None when it does not say or
+        cannot be asked now (the app then keeps the limit it had)."""
+
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Stream the request's tokens; the last chunk has finish_reason set.
 
@@ -72,6 +76,7 @@ class Backend(Protocol):
 class _ModelInfo:
     inputs: dict[str, str]  # name -> Triton datatype
     batched: bool  # max_batch_size > 0: every tensor gets a leading batch dimension of 1
+    max_len: int | None = None  # the served context limit (`max_len` parameters), None if unknown
 
 
 class TritonBackend:
@@ -128,8 +133,39 @@ class TritonBackend:
                         "model? (use --triton-model pd or colocated)",
                         type="server_error",
                     )
-            self._info = _ModelInfo(inputs, cfg.config.max_batch_size > 0)
+            max_len = await self._served_max_len(cfg.config)
+            self._info = _ModelInfo(inputs, cfg.config.max_batch_size > 0, max_len)
         return self._info
+
+    async def max_len(self) -> int | None:
+        try:
+            return (await self._model_info()).max_len
+        except grpc.aio.AioRpcError as exc:
+            _rpc_error(exc, self)  # forgets the model info, so it is read again once Triton is back
+            return None
+        except APIError:
+            return None
+
+    async def _served_max_len(self, config: model_config_pb2.ModelConfig) -> int | None:
+        """The smallest `max_len` parameter of the model and, for the `pd` orchestrator, of the
+        prefill / decode models it reaches by BLS in this server (`<role>_model`, no `<role>_url`).
+        A model that is not here, or says nothing, does not count."""
+        limits = [_int_param(config, "max_len")]
+        for role in ("prefill", "decode"):
+            name = _str_param(config, f"{role}_model")
+            if not name or _str_param(config, f"{role}_url"):
+                continue  # not an orchestrator, or that side runs in another server
+            try:
+                sub = await self._get_stub().ModelConfig(
+                    service_pb2.ModelConfigRequest(name=name), timeout=META_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _UNREACHABLE:
+                    raise
+                continue  # e.g. decode_url set by environment: the model lives elsewhere
+            limits.append(_int_param(sub.config, "max_len"))
+        known = [n for n in limits if n is not None]
+        return min(known) if known else None
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         try:
@@ -172,8 +208,29 @@ class TritonBackend:
                 call.cancel()
 
 
+def _str_param(config: model_config_pb2.ModelConfig, key: str) -> str:
+    return config.parameters[key].string_value.strip() if key in config.parameters else ""
+
+
+def _int_param(config: model_config_pb2.ModelConfig, key: str) -> int | None:
+    """A positive integer parameter; None when absent or not a positive integer."""
+    text = _str_param(config, key)
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 async def _once(request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
     yield request
+
+
+def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str]) -> None:
+    """400 naming a requested extension the Triton model declares no input for: an `ignore_eos`
+    that the model cannot receive must not be dropped silently (the caller counts on the length)."""
+    if params.ignore_eos and "ignore_eos" not in inputs:
+        raise bad_request(
+            f"'ignore_eos' is not supported by Triton model '{model}' (it declares no 'ignore_eos' input)",
+            "ignore_eos",
+            "unsupported_parameter",
+        )
 
 
 def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> service_pb2.ModelInferRequest:
@@ -190,13 +247,8 @@ def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> servic
         values["seed"] = [p.seed]
     if p.stop:
         values["stop"] = list(p.stop)
+    check_supported(model, p, info.inputs)
     if p.ignore_eos:
-        if "ignore_eos" not in info.inputs:
-            raise bad_request(
-                f"'ignore_eos' is not supported by Triton model '{model}'",
-                "ignore_eos",
-                "unsupported_parameter",
-            )
         values["ignore_eos"] = [True]
     out = service_pb2.ModelInferRequest(model_name=model, id=req.request_id)
     out.parameters["triton_enable_empty_final_response"].bool_param = True

@@ -3,7 +3,7 @@ count tokens and time them.
 
 Stop strings: the server is told them too (so decode stops early), but the front end is the one that
 cuts the text, because the server streams token ids and a stop string can end mid-token. Both sides
-use `rngd_pd.model.sampling.StopChecker` over the same incremental detokenization of the generated
+use `rngd_pd.model.stopping.StopChecker` over the same incremental detokenization of the generated
 tokens, so they agree on where the match is; when the front end sees it first it closes the stream,
 which cancels the request in Triton.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rngd_pd.frontend.backend import Backend, GenerateRequest
 from rngd_pd.frontend.prompts import TokenizerLike
-from rngd_pd.model.sampling import StopChecker
+from rngd_pd.model.stopping import StopChecker
 
 
 @dataclass

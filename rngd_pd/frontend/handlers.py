@@ -33,7 +33,7 @@ from rngd_pd.frontend.schemas import (
     _GenerationRequest,
 )
 from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
-from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.params import SamplingParams
 
 if TYPE_CHECKING:
     from rngd_pd.frontend.app import FrontendState
@@ -141,10 +141,9 @@ def _usage(gen: TextGeneration) -> Usage:
 
 async def completion(state: FrontendState, body: CompletionRequest, request: Request) -> Any:
     _check_model(state, body.model)
-    ids = completion_prompt(state.model, body.prompt)
-    max_tokens = resolve_max_tokens(
-        state.model, len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt"
-    )
+    model = await state.context_model()
+    ids = completion_prompt(model, body.prompt)
+    max_tokens = resolve_max_tokens(model, len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = TextGeneration(
         state.backend,
@@ -170,9 +169,10 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
 
 async def chat(state: FrontendState, body: ChatCompletionRequest, request: Request) -> Any:
     _check_model(state, body.model)
-    ids = chat_prompt(state.model, body.messages)
+    model = await state.context_model()
+    ids = chat_prompt(model, body.messages)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = resolve_max_tokens(state.model, len(ids), requested, None, "messages")
+    max_tokens = resolve_max_tokens(model, len(ids), requested, None, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = TextGeneration(
         state.backend,

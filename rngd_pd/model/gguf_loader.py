@@ -9,15 +9,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig
 from rngd_pd.model.tokenizer import Tokenizer, tokenizer_from_gguf
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -126,6 +127,8 @@ class GGUFCheckpoint:
 
     def hf_tensors(self, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
         """(Hugging Face name, fp32 tensor) for every weight the model uses, in file order."""
+        import torch  # here, not at the top: reading the tokenizer must not cost a torch import
+
         for name in self.tensors:
             hf = hf_name(name)
             if hf is None:

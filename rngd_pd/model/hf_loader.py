@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig, config_from_hf
 from rngd_pd.model.tokenizer import HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _ARCHS = {"LlamaForCausalLM"}
 
@@ -49,9 +51,11 @@ class HFCheckpoint:
                 "not supported; only Llama-family checkpoints (LlamaForCausalLM) are"
             )
         self.tok_cfg = _read_json(path / "tokenizer_config.json", required=False)
-        self.files = self._weight_files()
 
-    def _weight_files(self) -> list[Path]:
+    @cached_property
+    def files(self) -> list[Path]:
+        """The safetensors files, checked on first use: a tokenizer-only directory (a gateway pod
+        that never loads weights) opens fine; `load_model` on it raises ModelLoadError here."""
         index = self.path / "model.safetensors.index.json"
         if index.exists():
             names = sorted(set(_read_json(index).get("weight_map", {}).values()))

@@ -8,53 +8,12 @@ several tokens is found and never leaks into the output.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from rngd_pd.errors import ConfigError
+from rngd_pd.model.params import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from rngd_pd.model.stopping import StopChecker
 
-FINISH_LENGTH = "length"
-FINISH_STOP = "stop"
-FINISH_EOS = "eos"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What one request asks of the sampler; `validate()` before use."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first bad parameter (a request must not reach the engine)."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not self.temperature >= 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
-            raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the next token is simply the argmax (temperature 0)."""
-        return self.temperature == 0
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Sampler", "SamplingParams", "StopChecker"]
 
 
 class Sampler:
@@ -132,47 +91,3 @@ def _mix64(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
     return z ^ (z >> 31)
-
-
-class StopChecker:
-    """Finds stop strings in streamed text; the text it releases never contains (part of) one.
-
-    push(delta) returns (text safe to emit, stopped). Once stopped, the returned text ends just
-    before the stop string and later pushes return ("", True). flush() returns the held-back tail
-    when the request ends for another reason (EOS, length).
-    """
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self.stop = tuple(stop)
-        self._pending = ""
-        self.stopped = False
-        self.matched: str | None = None
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        if not self.stop:
-            return delta, False
-        buf = self._pending + delta
-        hit = min(((buf.find(s), s) for s in self.stop if s in buf), default=None)
-        if hit is not None:
-            idx, s = hit
-            self.stopped, self.matched, self._pending = True, s, ""
-            return buf[:idx], True
-        hold = self._held_suffix_len(buf)
-        self._pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        out, self._pending = ("" if self.stopped else self._pending), ""
-        return out
-
-    def _held_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

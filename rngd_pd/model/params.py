@@ -1,0 +1,53 @@
+"""What a request asks of generation: `SamplingParams` and the finish reasons.
+
+Torch-free, so the OpenAI front end (a gateway pod without weights) can validate and forward
+requests without importing torch; `rngd_pd.model.sampling` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rngd_pd.errors import ConfigError
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_EOS = "eos"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler; `validate()` before use."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad parameter (a request must not reach the engine)."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is simply the argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

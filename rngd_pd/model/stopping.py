@@ -1,0 +1,51 @@
+"""Stop-string matching over streamed text (`StopChecker`).
+
+Torch-free: the decode engine and the OpenAI front end both cut text with it, so they agree on where a
+stop string matched; `rngd_pd.model.sampling` re-exports it.
+"""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    """Finds stop strings in streamed text; the text it releases never contains (part of) one.
+
+    push(delta) returns (text safe to emit, stopped). Once stopped, the returned text ends just
+    before the stop string and later pushes return ("", True). flush() returns the held-back tail
+    when the request ends for another reason (EOS, length).
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = tuple(stop)
+        self._pending = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stop:
+            return delta, False
+        buf = self._pending + delta
+        hit = min(((buf.find(s), s) for s in self.stop if s in buf), default=None)
+        if hit is not None:
+            idx, s = hit
+            self.stopped, self.matched, self._pending = True, s, ""
+            return buf[:idx], True
+        hold = self._held_suffix_len(buf)
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+    def _held_suffix_len(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best

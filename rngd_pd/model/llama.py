@@ -145,8 +145,10 @@ class Llama(nn.Module):
             ck, cv = cache.k[i], cache.v[i]
             ck[slots, :, positions] = k.to(ck.dtype)
             cv[slots, :, positions] = v.view(b, c.num_kv_heads, c.head_dim).to(cv.dtype)
-            kk = ck[sel, :, :length].to(self.dtype)  # [B, KVH, L, hd]
-            vv = cv[sel, :, :length].to(self.dtype)
+            # K is read transposed: copy its visible rows once (a plain row copy) rather than let
+            # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
+            kk = ck[sel, :, :length].to(self.dtype).contiguous()  # [B, KVH, L, hd]
+            vv = cv[sel, :, :length].to(self.dtype)  # a strided view is as fast as a copy here
             qg = q.view(b, c.num_kv_heads, groups, c.head_dim)  # the G query heads sharing a KV head
             o = _attend(qg, kk, vv, bias, c.head_dim**-0.5)  # [B, KVH, G, hd]
             x = layer.finish(x, o.reshape(b, -1))

@@ -21,9 +21,8 @@ from tests.frontend_fakes import FakeBackend, serve_app
 @pytest.fixture(scope="module")
 def url():
     served = load_served_model(FrontendConfig())
-    with serve_app(
-        create_app(FrontendConfig(), model=served, backend=FakeBackend(served.tokenizer, 0.002))
-    ) as base:
+    backend = FakeBackend(served.tokenizer, 0.002, inputs=("ignore_eos",))  # the sweep passes ignore_eos
+    with serve_app(create_app(FrontendConfig(), model=served, backend=backend)) as base:
         yield base
 
 

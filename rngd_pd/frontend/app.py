@@ -69,6 +69,9 @@ class Limiter:
         self.active -= 1
 
 
+# seed < 2**64 stated as the largest double below 2**64: JSON tools compare numbers as doubles, and
+# `exclusiveMaximum: 2**64` let them send 2**64 + 382 as valid (it rounds to 2**64 - 2048 or below).
+_SEED_MAX = 2**64 - 2048
 _COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"})
 
 
@@ -245,6 +248,7 @@ def _tidy_openapi(app: FastAPI, secured: bool, state: FrontendState) -> None:
                 for key in ("max_tokens", "max_completion_tokens"):
                     if key in props:
                         _set_integer_bounds(props[key], maximum=limits.max_model_len - 1)
+                _set_integer_bounds(props["seed"], maximum=_SEED_MAX)
             _set_integer_bounds(
                 bodies["CompletionRequest"]["properties"]["prompt"], maximum=limits.vocab_size - 1
             )
@@ -261,6 +265,7 @@ def _set_integer_bounds(node: Any, maximum: int) -> None:
     if isinstance(node, dict):
         if node.get("type") == "integer":
             node["maximum"] = maximum
+            node.pop("exclusiveMaximum", None)
         for value in node.values():
             _set_integer_bounds(value, maximum)
     elif isinstance(node, list):

@@ -139,3 +139,21 @@ def http_post(url: str, path: str, body: dict, timeout: float = 120.0) -> tuple[
 def sse_events(body: str) -> list[dict]:
     """The JSON objects of a generate_stream body (`data: {...}` lines)."""
     return [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:")]
+
+
+def assert_kv_bytes_match(log: Path) -> int:
+    """Every request that decode fully received has, blob by blob, the bytes prefill produced.
+
+    Reads the RNGD_PD_KV_DEBUG_LOG lines both sides wrote; returns how many requests were compared.
+    """
+    num_blobs = 2 * loaded_model().config.num_layers
+    by_key: dict[str, dict[str, dict[int, tuple[int, int]]]] = {}
+    for line in log.read_text().splitlines():
+        r = json.loads(line)
+        if r["index"] < num_blobs:
+            by_key.setdefault(r["key"], {}).setdefault(r["side"], {})[r["index"]] = (r["nbytes"], r["crc32c"])
+    complete = [k for k, sides in by_key.items() if len(sides.get("decode", {})) == num_blobs]
+    assert complete, "no request logged all its blobs on the decode side"
+    for key in complete:
+        assert by_key[key]["prefill"] == by_key[key]["decode"], key
+    return len(complete)

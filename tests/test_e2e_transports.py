@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,12 +21,14 @@ pytestmark = pytest.mark.e2e
 PD_OUT = ("output_ids", "finish_reason")
 
 
-def _check_tokens(server) -> None:
+def _check_tokens(server, kv_log: Path) -> None:
+    """Greedy tokens equal the colocated engine's, and decode received the bytes prefill produced."""
     for text in E.PROMPTS:
         ids, _, reason = E.reference(text)
         responses = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT)
         assert E.ids_of(responses) == list(ids), text
         assert E.reason_of(responses) == reason
+    assert E.assert_kv_bytes_match(kv_log) == len(E.PROMPTS)
 
 
 def _serve_with_retries(server, text: str, attempts: int = 3) -> list[int]:
@@ -39,13 +42,14 @@ def _serve_with_retries(server, text: str, attempts: int = 3) -> list[int]:
     raise AssertionError(f"no success after the relay came back: {last}")
 
 
-def test_tcp_relay_tokens_and_relay_killed_mid_transfer() -> None:
+def test_tcp_relay_tokens_and_relay_killed_mid_transfer(tmp_path: Path) -> None:
     relay = start_relay()
     host, port = relay.addr.rsplit(":", 1)
     try:
-        env = {"AIRM_KV_TRANSPORT": "tcp", "AIRM_KV_TCP_ADDR": relay.addr}
+        env = {"AIRM_KV_TRANSPORT": "tcp", "AIRM_KV_TCP_ADDR": relay.addr,
+               "RNGD_PD_KV_DEBUG_LOG": str(tmp_path / "kv.jsonl")}
         with triton_server(E.subset_repository(["prefill", "decode", "pd"]), "cpu", env) as server:
-            _check_tokens(server)
+            _check_tokens(server, tmp_path / "kv.jsonl")
             errors: list[str] = []
 
             def long_request() -> None:
@@ -69,10 +73,10 @@ def test_tcp_relay_tokens_and_relay_killed_mid_transfer() -> None:
 
 
 @pytest.mark.nixl
-def test_nixl_ucx_tokens() -> None:
+def test_nixl_ucx_tokens(tmp_path: Path) -> None:
     pytest.importorskip("nixl", reason="the NIXL wheels (nixl, nixl-cu12) are not installed")
     with start_relay() as relay:
         env = {"AIRM_KV_TRANSPORT": "nixl-ucx", "AIRM_KV_TCP_ADDR": relay.addr, "AIRM_KV_UCX_POOL_MB": "64",
-               "UCX_MODULES": "^ib"}
+               "UCX_MODULES": "^ib", "RNGD_PD_KV_DEBUG_LOG": str(tmp_path / "kv.jsonl")}
         with triton_server(E.subset_repository(["prefill", "decode", "pd"]), "cpu", env) as server:
-            _check_tokens(server)
+            _check_tokens(server, tmp_path / "kv.jsonl")

@@ -8,6 +8,7 @@ Projections are fused (QKV, gate+up) so a step issues as few matmuls as possible
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,30 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+Packed = dict[str, Tensor]  # weight name -> oneDNN-packed copy (decode only)
+_PACK_ROWS = 16  # the batch width oneDNN packs the decode weights for (1..16 measured alike)
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    """oneDNN packed bf16 linears exist here (avx512_bf16 CPUs): measured 25-35% faster GEMVs."""
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def _pack(w: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+
+
+def _linear(x: Tensor, w: Tensor, packed: Packed | None, name: str) -> Tensor:
+    """x @ w.T, through the packed copy of w when there is one."""
+    if packed is not None and name in packed:
+        return torch.ops.mkldnn._linear_pointwise(x, packed[name], None, "none", [], "")
+    return F.linear(x, w)
+
+
 class Block(nn.Module):
     """One decoder layer's weights: fused QKV, output, fused gate/up, down, two RMSNorm weights."""
 
@@ -41,19 +66,24 @@ class Block(nn.Module):
         self.w2 = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.eps = c.rms_norm_eps
         self.split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self.packed: Packed | None = None  # set by Llama.pack_weights; used by decode_step only
+
+    def pack(self) -> None:
+        """Keep oneDNN-packed copies of the four projections for the decode GEMVs."""
+        self.packed = {n: _pack(getattr(self, n)) for n in ("wqkv", "wo", "w13", "w2")}
 
     def norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, D] -> q [N, H*hd], k [N, KVH*hd], v [N, KVH*hd] (views of one matmul)."""
-        return F.linear(self.norm(x, self.attn_norm), self.wqkv).split(self.split, dim=-1)
+        return _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv").split(self.split, dim=-1)
 
-    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+    def finish(self, x: Tensor, attn: Tensor, packed: Packed | None = None) -> Tensor:
         """Residual add of the attention output attn [N, H*hd], then the SwiGLU MLP."""
-        x = x + F.linear(attn, self.wo)
-        gate, up = F.linear(self.norm(x, self.ffn_norm), self.w13).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w2)
+        x = x + _linear(attn, self.wo, packed, "wo")
+        gate, up = _linear(self.norm(x, self.ffn_norm), self.w13, packed, "w13").chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.w2, packed, "w2")
 
 
 class Llama(nn.Module):
@@ -71,11 +101,28 @@ class Llama(nn.Module):
         )
         self.rope = RopeTable(c.head_dim, c.rope_theta, c.rope_scaling, c.max_context)
         self.requires_grad_(False)
+        self.head_packed: Packed | None = None
+        self._pack_lock = threading.RLock()
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def pack_weights(self) -> None:
+        """(Re)build the packed decode weights; decode_step calls it once, call it again after
+        changing weights in place. Costs one more copy of the weights in memory (bf16 only)."""
+        with self._pack_lock:
+            if not _packable(self.dtype):
+                return
+            for layer in self.layers:
+                layer.pack()
+            self.head_packed = {"lm_head": _pack(self.lm_head)}
+
+    def _pack_once(self) -> None:
+        with self._pack_lock:
+            if self.head_packed is None:
+                self.pack_weights()
+
+    def _logits(self, x: Tensor, packed: Packed | None = None) -> Tensor:
         """x [N, D] -> fp32 logits [N, vocab]."""
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return _linear(x, self.lm_head, packed, "lm_head").float()
 
     def _rope(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         return cos.to(self.dtype), sin.to(self.dtype)
@@ -128,6 +175,8 @@ class Llama(nn.Module):
         Row b attends over its slot's positions [0, positions[b]]; rows may have different lengths.
         """
         c = self.config
+        if self.head_packed is None and _packable(self.dtype):
+            self._pack_once()
         b = int(tokens.shape[0])
         pos = positions.tolist()
         sel = _slot_selector(slots.tolist(), b, cache, pos)
@@ -139,7 +188,7 @@ class Llama(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         x = F.embedding(tokens, self.embed)  # [B, D]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x)
+            q, k, v = layer.qkv(x, layer.packed)
             q = apply_rope(q.view(b, c.num_heads, c.head_dim), cos, sin)  # [B, H, hd]
             k = apply_rope(k.view(b, c.num_kv_heads, c.head_dim), cos, sin)  # [B, KVH, hd]
             ck, cv = cache.k[i], cache.v[i]
@@ -151,8 +200,8 @@ class Llama(nn.Module):
             vv = cv[sel, :, :length].to(self.dtype)  # a strided view is as fast as a copy here
             qg = q.view(b, c.num_kv_heads, groups, c.head_dim)  # the G query heads sharing a KV head
             o = _attend(qg, kk, vv, bias, c.head_dim**-0.5)  # [B, KVH, G, hd]
-            x = layer.finish(x, o.reshape(b, -1))
-        return self._logits(x)
+            x = layer.finish(x, o.reshape(b, -1), layer.packed)
+        return self._logits(x, self.head_packed)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:

@@ -342,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.report_only:
         run(a)
     rows = latest_rows(a.out / "sweep.jsonl")
+    if a.report_only and a.peak_tflops:  # one peak for every row (each run measured its own)
+        for r in rows:
+            if r.get("model_tflops") is not None:
+                r["peak_tflops"], r["mfu"] = a.peak_tflops, r["model_tflops"] / a.peak_tflops
     measured = [r for r in rows if r.get("output_tok_s") is not None]
     text = sweep_report.report(rows) if rows else "no rows"
     a.out.mkdir(parents=True, exist_ok=True)

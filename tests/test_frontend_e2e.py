@@ -6,6 +6,7 @@ ColocatedEngine's; a client that goes away must free the decode slot.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -112,9 +113,41 @@ def test_stop_string_is_honoured(url):
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < N
 
 
-def test_prompt_over_the_context_is_400(url, served):
-    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {served.max_model_len}"):
-        client(url).completions.create(model=MODEL, prompt=[1] * served.max_model_len, max_tokens=4)
+def _served_max_len() -> int:
+    """The smallest `max_len` of the cpu configs pd reaches (what prefill and decode accept)."""
+    found = [
+        int(re.search(r'key: "max_len" value: \{ string_value: "(\d+)"', path.read_text()).group(1))
+        for path in (E.REPOSITORY / "prefill/configs/cpu.pbtxt", E.REPOSITORY / "decode/configs/cpu.pbtxt")
+    ]
+    return min(found)
+
+
+def test_context_limit_is_the_served_one_and_over_it_is_400(url, served):
+    limit = _served_max_len()
+    assert limit < served.max_model_len  # 2048 served vs the checkpoint's 8192: the front end must know
+    assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == limit
+    n = limit - 8
+    with pytest.raises(openai.BadRequestError) as err:
+        client(url).completions.create(model=MODEL, prompt=[1] * n, max_tokens=20)
+    message = err.value.body["message"]
+    assert f"maximum context length is {limit} tokens" in message
+    assert f"{n + 20} tokens ({n} in the prompt, 20 for the completion)" in message
+
+
+def test_ignore_eos_follows_the_model_inputs(url, triton):
+    """400 naming the parameter while `pd` declares no `ignore_eos` input; exactly max_tokens once it does."""
+    import tritonclient.grpc as grpcclient
+
+    meta = grpcclient.InferenceServerClient(triton.grpc_url).get_model_metadata("pd", as_json=True)
+    kwargs = dict(model=MODEL, prompt=E.PROMPTS[0], max_tokens=N, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    if "ignore_eos" not in {t["name"] for t in meta["inputs"]}:
+        with pytest.raises(openai.BadRequestError) as err:
+            client(url).completions.create(**kwargs)
+        assert err.value.body["param"] == "ignore_eos"
+        return
+    r = client(url).completions.create(**kwargs)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (N, "length")
 
 
 def test_health_is_ready(url):

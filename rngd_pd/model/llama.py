@@ -65,6 +65,7 @@ class Block(nn.Module):
         self.w13 = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype)
         self.w2 = _param(c.hidden_size, c.intermediate_size, dtype=dtype)
         self.eps = c.rms_norm_eps
+        self.head_dim = c.head_dim
         self.split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
         self.packed: Packed | None = None  # set by Llama.pack_weights; used by decode_step only
 
@@ -78,6 +79,13 @@ class Block(nn.Module):
     def qkv(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, D] -> q [N, H*hd], k [N, KVH*hd], v [N, KVH*hd] (views of one matmul)."""
         return _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv").split(self.split, dim=-1)
+
+    def qkv_heads(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
+        """x [N, D] -> qk [N, H+KVH, hd] (RoPE rotates q and k in one pass), v [N, KVH, hd]: views."""
+        out = _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv")
+        n, hd = out.shape[0], self.head_dim
+        qk, v = out.split((self.split[0] + self.split[1], self.split[2]), dim=-1)
+        return qk.view(n, -1, hd), v.view(n, -1, hd)
 
     def finish(self, x: Tensor, attn: Tensor, packed: Packed | None = None) -> Tensor:
         """Residual add of the attention output attn [N, H*hd], then the SwiGLU MLP."""
@@ -188,12 +196,12 @@ class Llama(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         x = F.embedding(tokens, self.embed)  # [B, D]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, layer.packed)
-            q = apply_rope(q.view(b, c.num_heads, c.head_dim), cos, sin)  # [B, H, hd]
-            k = apply_rope(k.view(b, c.num_kv_heads, c.head_dim), cos, sin)  # [B, KVH, hd]
+            qk, v = layer.qkv_heads(x, layer.packed)  # [B, H+KVH, hd], [B, KVH, hd]
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [B, H, hd], [B, KVH, hd]
             ck, cv = cache.k[i], cache.v[i]
             ck[slots, :, positions] = k.to(ck.dtype)
-            cv[slots, :, positions] = v.view(b, c.num_kv_heads, c.head_dim).to(cv.dtype)
+            cv[slots, :, positions] = v.to(cv.dtype)
             # K is read transposed: copy its visible rows once (a plain row copy) rather than let
             # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
             kk = ck[sel, :, :length].to(self.dtype).contiguous()  # [B, KVH, L, hd]

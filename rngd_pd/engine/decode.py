@@ -119,6 +119,7 @@ class DecodeEngine:
                 f"{max_queue}, {loader_threads}"
             )
         self.loaded, self.config, self.model = loaded, loaded.config, loaded.model
+        self.model.prepare_decode()  # pack decode weights now, not in the first request's step
         self.max_len = min(max_len, self.config.max_context)
         self.num_slots, self.max_queue, self.kv_dtype = num_slots, max_queue, kv_dtype
         plan = plan_buckets(num_slots, self.max_len, buckets)

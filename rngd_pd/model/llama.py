@@ -76,9 +76,9 @@ class Block(nn.Module):
     def norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def qkv(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, D] -> q [N, H*hd], k [N, KVH*hd], v [N, KVH*hd] (views of one matmul)."""
-        return _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv").split(self.split, dim=-1)
+        return F.linear(self.norm(x, self.attn_norm), self.wqkv).split(self.split, dim=-1)
 
     def qkv_heads(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
         """x [N, D] -> qk [N, H+KVH, hd] (RoPE rotates q and k in one pass), v [N, KVH, hd]: views."""
@@ -110,21 +110,25 @@ class Llama(nn.Module):
         self.rope = RopeTable(c.head_dim, c.rope_theta, c.rope_scaling, c.max_context)
         self.requires_grad_(False)
         self.head_packed: Packed | None = None
+        self._packing_done = False  # pack_weights ran (whether or not this device/dtype packs)
         self._pack_lock = threading.RLock()
 
     def pack_weights(self) -> None:
         """(Re)build the packed decode weights; decode_step calls it once, call it again after
         changing weights in place. Costs one more copy of the weights in memory (bf16 only)."""
         with self._pack_lock:
-            if not _packable(self.dtype):
+            self._packing_done = True
+            if not _packable(self.dtype) or self.embed.device.type != "cpu":
                 return
             for layer in self.layers:
                 layer.pack()
             self.head_packed = {"lm_head": _pack(self.lm_head)}
 
-    def _pack_once(self) -> None:
+    def prepare_decode(self) -> None:
+        """Pack the decode weights once (idempotent); engines call it at start so that the first
+        decode step does not pay for it (~0.2 s for SmolLM2)."""
         with self._pack_lock:
-            if self.head_packed is None:
+            if not self._packing_done:
                 self.pack_weights()
 
     def _logits(self, x: Tensor, packed: Packed | None = None) -> Tensor:
@@ -183,8 +187,8 @@ class Llama(nn.Module):
         Row b attends over its slot's positions [0, positions[b]]; rows may have different lengths.
         """
         c = self.config
-        if self.head_packed is None and _packable(self.dtype):
-            self._pack_once()
+        if not self._packing_done:
+            self.prepare_decode()
         b = int(tokens.shape[0])
         pos = positions.tolist()
         sel = _slot_selector(slots.tolist(), b, cache, pos)

@@ -1,5 +1,5 @@
-"""`preprocess` (text -> ids) and `postprocess` (ids -> text, streaming-safe), and the one extra tensor
-they need beyond rngd_pd.triton.tensors: `context_ids`.
+"""`preprocess` (text -> ids) and `postprocess` (ids -> text, streaming-safe), and why pd sends them
+`context_ids` (defined in rngd_pd.triton.tensors).
 
 Why `context_ids`: postprocess runs once per streamed response and keeps no state (several instances,
 no correlation between calls), yet a token alone cannot always be turned into text - a character can
@@ -15,7 +15,6 @@ The text is the decode of the ids (stop strings are not trimmed here; finish_rea
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,19 +23,13 @@ from rngd_pd import errors
 from rngd_pd.triton import pbutils
 from rngd_pd.triton import tensors as T
 
-CONTEXT_IDS = "context_ids"
-_CONTEXT_OUT = T.TensorSpec(CONTEXT_IDS, "INT32", (-1,))
-_CONTEXT_IN = T.TensorSpec(CONTEXT_IDS, "INT32", (-1,), optional=True)
-# The specs the repository's configs follow: tensors.py's, plus context_ids where it travels.
-PD_SPEC = dataclasses.replace(T.PD, outputs=(*T.PD.outputs, _CONTEXT_OUT))
-COLOCATED_SPEC = dataclasses.replace(T.COLOCATED, outputs=(*T.COLOCATED.outputs, _CONTEXT_OUT))
-POSTPROCESS_SPEC = dataclasses.replace(T.POSTPROCESS, inputs=(*T.POSTPROCESS.inputs, _CONTEXT_IN))
-SPECS = {s.name: s for s in (PD_SPEC, COLOCATED_SPEC, POSTPROCESS_SPEC)}
+CONTEXT_IDS = T.CONTEXT_IDS
+POSTPROCESS_SPEC = T.POSTPROCESS
 
 
 def spec_for(name: str) -> T.ModelSpec:
-    """The spec a model of the repository follows (tensors.py's unless extended here)."""
-    return SPECS.get(name) or T.model_spec(name)
+    """The spec a model of the repository follows (rngd_pd.triton.tensors)."""
+    return T.model_spec(name)
 
 
 def load_tokenizer(path: str | None) -> Any:

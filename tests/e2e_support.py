@@ -6,9 +6,11 @@ against the Hugging Face oracle by the model/engine tests), loaded once per test
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import queue
+import shutil
 import tempfile
 import urllib.error
 import urllib.request
@@ -33,6 +35,7 @@ MAX_TOKENS = 12
 def subset_repository(names: Iterable[str]) -> Path:
     """A repository holding only `names` (symlinks to model_repository/<name>); faster to load."""
     root = Path(tempfile.mkdtemp(prefix="rngd-pd-repo-"))
+    atexit.register(shutil.rmtree, root, True)  # symlinks only; removed when the test session ends
     for name in names:
         (root / name).symlink_to(REPOSITORY / name, target_is_directory=True)
     return root

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Servers that tests start compute in fp32 (the served default is bf16 for speed): the references they
+# are compared with (ColocatedEngine in-process, transformers) are fp32, and greedy tokens must be equal.
+os.environ.setdefault("RNGD_PD_DTYPE", "fp32")
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport",
                    help="KV transport name (airm.kv_transports); default $AIRM_KV_TRANSPORT or the config's")
     p.add_argument("--kv-dtype", choices=params.KV_DTYPES, help="KV wire dtype (default: the config's, bf16)")
+    p.add_argument("--dtype", choices=params.COMPUTE_DTYPES,
+                   help="compute dtype (default bf16; fp32 gives the transformers oracle's tokens exactly)")
     p.add_argument("--config-name",
                    help="tritonserver --model-config-name (default: chosen from the devices present)")
     p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to (default 127.0.0.1)")
@@ -73,7 +75,8 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment overrides the models read through rngd_pd.triton.params."""
     env: dict[str, str] = {}
     pairs = ((params.ENV_MODEL, args.model), (params.ENV_KV_TRANSPORT, args.kv_transport),
-             (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_PREFILL_URL, args.prefill_url),
+             (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_DTYPE, args.dtype),
+             (params.ENV_PREFILL_URL, args.prefill_url),
              (params.ENV_DECODE_URL, args.decode_url))
     for name, value in pairs:
         if value:

@@ -7,7 +7,8 @@ names the model and the parameter when a name is unknown or a value does not con
 config.pbtxt stops `initialize` instead of being ignored.
 
 Environment overrides (set by `rngd-pd serve` and by ai-rm) win over config.pbtxt: `RNGD_PD_MODEL`
-(model path), `AIRM_KV_TRANSPORT` (transport name), `RNGD_PD_KV_DTYPE` (KV wire dtype), and for `pd`
+(model path), `AIRM_KV_TRANSPORT` (transport name), `RNGD_PD_KV_DTYPE` (KV wire dtype),
+`RNGD_PD_DTYPE` (compute dtype), and for `pd`
 `RNGD_PD_PREFILL_URL` / `RNGD_PD_DECODE_URL` (remote prefill/decode servers, gRPC host:port).
 Any parameter can also be set with `RNGD_PD_PARAM_<NAME>` (`RNGD_PD_PARAM_MAX_LEN=512`), in every model
 that has it; a named override above wins over it. `rngd-pd serve --param NAME=VALUE` sets these.
@@ -30,11 +31,13 @@ from rngd_pd.errors import ConfigError
 ENV_MODEL = "RNGD_PD_MODEL"
 ENV_KV_TRANSPORT = "AIRM_KV_TRANSPORT"
 ENV_KV_DTYPE = "RNGD_PD_KV_DTYPE"
+ENV_DTYPE = "RNGD_PD_DTYPE"
 ENV_PREFILL_URL = "RNGD_PD_PREFILL_URL"  # pd: reach prefill by gRPC in another tritonserver
 ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another tritonserver
 ENV_PARAM_PREFIX = "RNGD_PD_PARAM_"      # RNGD_PD_PARAM_<NAME>: override parameter <name> anywhere
 
 KV_DTYPES = ("bf16", "fp16", "fp32")
+COMPUTE_DTYPES = ("bf16", "fp32")
 DEVICES = ("cpu", "cuda", "rngd", "atom")
 
 # Parameters Triton's Python backend reads itself; allowed in any model's config.
@@ -61,6 +64,8 @@ class ServingParams:
     model_path: str | None = param(None, env=ENV_MODEL, help="checkpoint dir or .gguf; empty = embedded")
     kv_transport: str = param("shm", env=ENV_KV_TRANSPORT, help="airm.kv_transports name")
     kv_dtype: str = param("bf16", env=ENV_KV_DTYPE, choices=KV_DTYPES, help="KV wire dtype")
+    dtype: str = param("bf16", env=ENV_DTYPE, choices=COMPUTE_DTYPES,
+                       help="compute dtype: bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")
 
     def device_id_for(self, instance: int) -> int:
         """The device id of instance number `instance` (one id for all, or one per instance)."""

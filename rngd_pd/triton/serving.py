@@ -80,7 +80,10 @@ def check_device(params: ServingParams, args: Mapping[str, Any]) -> Any:
 
 
 def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
-    """Check the device, set torch threads, load the checkpoint (embedded model when no path)."""
+    """Check the device, set torch threads, load the checkpoint (embedded model when no path).
+
+    bf16 compute by default: 2.5-4x faster than fp32 on CPUs with AVX512-BF16 (docs/model.md).
+    """
     import torch
 
     from rngd_pd.model import load_model
@@ -88,7 +91,8 @@ def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
     check_device(params, args)
     if params.torch_threads > 0:
         torch.set_num_threads(params.torch_threads)
-    return load_model(params.model_path or None, progress=False)
+    dtype = torch.bfloat16 if params.dtype == "bf16" else torch.float32
+    return load_model(params.model_path or None, dtype=dtype, progress=False)
 
 
 def run_decoupled(request: Any, work: Callable[[Any, Any], None], name: str) -> threading.Thread:

@@ -89,6 +89,22 @@ def test_pd_and_colocated_stream_the_same_tokens(server, model: str) -> None:
         assert status == 200 and json.loads(body)["output_ids"] == list(ids), body
 
 
+def test_ignore_eos_runs_past_eos_to_max_tokens(server) -> None:
+    tokenizer = E.loaded_model().tokenizer  # the chat answer to "Hi!" is short and ends with EOS
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}]),
+                           add_special_tokens=False)
+    body = {"input_ids": ids, "max_tokens": 24}
+    status, plain = E.http_post(server.http_url, "/v2/models/pd/generate", body)
+    assert status == 200, plain
+    plain = json.loads(plain)
+    assert plain["finish_reason"] == "eos" and len(plain["output_ids"]) < 24, plain
+    status, forced = E.http_post(server.http_url, "/v2/models/pd/generate", {**body, "ignore_eos": True})
+    assert status == 200, forced
+    forced = json.loads(forced)
+    assert forced["finish_reason"] == "length" and len(forced["output_ids"]) == 24, forced
+    assert forced["output_ids"][: len(plain["output_ids"])] == plain["output_ids"]
+
+
 def test_kv_bytes_decode_received_equal_those_prefill_produced(server, env) -> None:
     E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(E.PROMPTS[3])), PD_OUT)
     assert E.assert_kv_bytes_match(Path(env["RNGD_PD_KV_DEBUG_LOG"])) >= 1

@@ -134,20 +134,13 @@ def test_context_limit_is_the_served_one_and_over_it_is_400(url, served):
     assert f"{n + 20} tokens ({n} in the prompt, 20 for the completion)" in message
 
 
-def test_ignore_eos_follows_the_model_inputs(url, triton):
-    """400 naming the parameter while `pd` declares no `ignore_eos` input; exactly max_tokens once it does."""
-    import tritonclient.grpc as grpcclient
-
-    meta = grpcclient.InferenceServerClient(triton.grpc_url).get_model_metadata("pd", as_json=True)
-    kwargs = dict(model=MODEL, prompt=E.PROMPTS[0], max_tokens=N, temperature=0)
-    kwargs["extra_body"] = {"ignore_eos": True}
-    if "ignore_eos" not in {t["name"] for t in meta["inputs"]}:
-        with pytest.raises(openai.BadRequestError) as err:
-            client(url).completions.create(**kwargs)
-        assert err.value.body["param"] == "ignore_eos"
-        return
-    r = client(url).completions.create(**kwargs)
-    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (N, "length")
+def test_ignore_eos_runs_past_eos_to_max_tokens(url):
+    """The chat answer to "Hi!" ends with EOS well before 24 tokens; with ignore_eos it runs to 24."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=24, temperature=0)
+    r = client(url).chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 24
+    r = client(url).chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (24, "length")
 
 
 def test_health_is_ready(url):

@@ -49,6 +49,8 @@ def sampling_params(get: Getter, *, require_max_tokens: bool = True) -> Sampling
     if stop is not None and stop.size:
         values["stop"] = tuple(s.decode("utf-8") if isinstance(s, bytes) else str(s)
                                for s in stop.reshape(-1) if s not in (b"", ""))
+    if _scalar(get, T.IGNORE_EOS):
+        values["ignore_eos"] = True
     params = SamplingParams(**values)  # type: ignore[arg-type]
     params.validate()
     return params
@@ -64,6 +66,8 @@ def sampling_inputs(params: SamplingParams, *, with_max_tokens: bool = True) -> 
     out[T.TOP_K] = np.array([params.top_k], np.int32)
     if params.seed is not None:
         out[T.SEED] = np.array([params.seed], np.uint64)
+    if params.ignore_eos:
+        out[T.IGNORE_EOS] = np.array([True])
     if params.stop:
         out[T.STOP] = np.array([s.encode("utf-8") for s in params.stop], dtype=np.object_)
     return out

@@ -133,7 +133,8 @@ class Orchestrator:
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
                   **sampling_inputs(params, with_max_tokens=False)}
-        inputs.pop(T.STOP, None)  # prefill samples one token; stop strings are decode's business
+        for name in (T.STOP, T.IGNORE_EOS):  # prefill samples one token; when to stop is decode's business
+            inputs.pop(name, None)
         result = self.prefill.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
         return int(result[T.FIRST_TOKEN].reshape(-1)[0])
 

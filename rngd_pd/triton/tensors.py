@@ -27,6 +27,7 @@ TOP_P = "top_p"
 TOP_K = "top_k"
 SEED = "seed"
 STOP = "stop"
+IGNORE_EOS = "ignore_eos"
 REQUEST_KEY = "request_key"
 PROMPT_LEN = "prompt_len"
 FIRST_TOKEN = "first_token"
@@ -119,6 +120,7 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _t(TOP_K, "INT32", 1, optional=True),
     _t(SEED, "UINT64", 1, optional=True),
     _t(STOP, "BYTES", -1, optional=True),
+    _t(IGNORE_EOS, "BOOL", 1, optional=True),  # benchmarks: run to max_tokens past EOS
 )
 GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _t(MAX_TOKENS, "INT32", 1),

@@ -34,7 +34,9 @@ class DecodeParams(ServingParams):
     num_slots: int = param(8, help="concurrent decode streams per instance (continuous batching)")
     max_len: int = param(4096, help="longest prompt + max_tokens one slot holds")
     max_queue: int = param(64, help="requests waiting for a slot before CapacityError")
-    kv_timeout_s: float = param(60.0, help="how long decode waits for a request's KV")
+    # It includes the time the request waits in prefill's queue, so it is generous; a prefill that fails
+    # makes pd cancel the decode request, which ends the wait at once.
+    kv_timeout_s: float = param(300.0, help="how long decode waits for a request's KV")
 
 
 @dataclass(frozen=True)

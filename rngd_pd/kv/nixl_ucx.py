@@ -41,7 +41,7 @@ import numpy as np
 from rngd_pd.errors import TransportError, TransportIntegrityError
 from rngd_pd.kv import ucx_endpoint
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
-from rngd_pd.kv.protocol import ConformanceCase
+from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.tcp import RelayClient, crc_from_env
 from rngd_pd.kv.ucx import apply_ucx_env, wait_xfer
 from rngd_pd.kv.ucx_endpoint import FREE_PREFIX
@@ -86,7 +86,7 @@ def _log_blob(what: str, key: str, index: int, data: Any) -> None:
     log.info("%s %s[%d] %d bytes sha256=%s", what, key, index, len(data), hashlib.sha256(data).hexdigest())
 
 
-class NixlUcxTransport:
+class NixlUcxTransport(Closing):
     """The Transport protocol over NIXL READs (see the module docstring for the data path)."""
 
     name = "nixl-ucx"
@@ -302,12 +302,6 @@ class NixlUcxTransport:
     def _check_open(self, key: str) -> None:
         if self._closed:
             raise TransportError("this nixl-ucx transport is closed", key=key)
-
-    def __enter__(self) -> NixlUcxTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @classmethod
     @contextlib.contextmanager

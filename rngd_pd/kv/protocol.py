@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, Self, TypeAlias, runtime_checkable
 
 # What push accepts and pull fills: anything exposing a C-contiguous byte buffer (bytes, bytearray,
 # memoryview, numpy arrays, torch CPU tensors of any dtype). See rngd_pd.kv.buffers.as_bytes.
@@ -63,6 +63,20 @@ class Transport(Protocol):
     def close(self) -> None:
         """Free this object's resources (connections, pools, arenas). Idempotent."""
         ...
+
+
+
+class Closing:
+    """`with transport:` closes it on exit; shared by the transports and the relay client."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class CopyTransport(Protocol):

@@ -44,7 +44,7 @@ from rngd_pd.errors import (
     TransportTimeoutError,
 )
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
-from rngd_pd.kv.protocol import ConformanceCase
+from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.shmpool import MapCache, SlotPool, make_dir, scandir, sweep_dead_pool
 
 DEFAULT_ROOT = "/dev/shm/rngd_kv_cluster"
@@ -65,7 +65,7 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() not in ("0", "off", "false", "no")
 
 
-class ShmTransport:
+class ShmTransport(Closing):
     """The `shm` transport. One instance per process is enough (it is thread-safe)."""
 
     name = "shm"
@@ -206,12 +206,6 @@ class ShmTransport:
         if pool is not None:
             pool.close()
         self._maps.clear()
-
-    def __enter__(self) -> ShmTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @classmethod
     @contextlib.contextmanager

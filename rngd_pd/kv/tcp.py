@@ -32,7 +32,7 @@ from rngd_pd.errors import (
 )
 from rngd_pd.kv import wire
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes
-from rngd_pd.kv.protocol import ConformanceCase
+from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.relaypool import Pool, shared_pool, unshare_pool
 
 log = logging.getLogger("rngd_pd.kv.tcp")
@@ -77,7 +77,7 @@ def _log_blob(what: str, key: str, index: int, data: Any) -> None:
 
 
 
-class RelayClient:
+class RelayClient(Closing):
     """Blocking, thread-safe client of one KV relay."""
 
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None, *,
@@ -259,14 +259,8 @@ class RelayClient:
         if pool is not None:
             unshare_pool(pool)
 
-    def __enter__(self) -> RelayClient:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class TcpTransport:
+class TcpTransport(Closing):
     """The `tcp` transport: the Transport protocol over a RelayClient."""
 
     name = "tcp"
@@ -289,12 +283,6 @@ class TcpTransport:
 
     def close(self) -> None:
         self.client.close()
-
-    def __enter__(self) -> TcpTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @classmethod
     @contextlib.contextmanager

@@ -16,7 +16,6 @@ The text is the decode of the ids (stop strings are not trimmed here; finish_rea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rngd_pd import errors
@@ -33,14 +32,10 @@ def spec_for(name: str) -> T.ModelSpec:
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """The checkpoint's tokenizer without its weights (embedded model when path is None)."""
-    from rngd_pd.model.weights import _open, embedded_model_path
+    """The checkpoint's tokenizer without its weights (embedded model when path is None or empty)."""
+    from rngd_pd.model.checkpoint import load_tokenizer as load
 
-    p = embedded_model_path() if not path else Path(path).expanduser()
-    if not p.exists():
-        raise errors.ModelLoadError(f"{p}: no such file or directory; pass a *.gguf or a checkpoint dir")
-    ckpt = _open(p)
-    return ckpt.tokenizer(ckpt.config())
+    return load(path or None)[1]
 
 
 def _safe(text: str) -> str:
@@ -76,9 +71,10 @@ class PreprocessModel:
             text = pbutils.input_scalar(request, T.TEXT_INPUT)
             if text is None or text == "":
                 raise errors.ConfigError(f"input {T.TEXT_INPUT!r} is required and must not be empty")
-            if pbutils.input_scalar(request, T.APPLY_CHAT_TEMPLATE, False):
+            templated = bool(pbutils.input_scalar(request, T.APPLY_CHAT_TEMPLATE, False))
+            if templated:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text, add_special_tokens=not templated)  # a template has its BOS
             if not ids:
                 raise errors.ConfigError("the prompt encodes to no tokens")
         except Exception as exc:

@@ -55,8 +55,8 @@ def text_delta(tokenizer: Any, context: Sequence[int], ids: Sequence[int], final
     return after[common:]
 
 
-class PreprocessModel:
-    """Triton adapter: text_input (+ apply_chat_template) -> input_ids."""
+class _TokenizerModel:
+    """What pre- and postprocess share: the checkpoint's tokenizer, one response per request."""
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.triton.serving import TextParams, model_params
@@ -65,6 +65,13 @@ class PreprocessModel:
 
     def execute(self, requests: list) -> list:
         return [self._one(r) for r in requests]
+
+    def _one(self, request: Any) -> Any:
+        raise NotImplementedError
+
+
+class PreprocessModel(_TokenizerModel):
+    """Triton adapter: text_input (+ apply_chat_template) -> input_ids."""
 
     def _one(self, request: Any) -> Any:
         try:
@@ -82,16 +89,8 @@ class PreprocessModel:
         return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids})
 
 
-class PostprocessModel:
+class PostprocessModel(_TokenizerModel):
     """Triton adapter: output_ids + context_ids + finish_reason -> text_output (and the ids, reason)."""
-
-    def initialize(self, args: dict) -> None:
-        from rngd_pd.triton.serving import TextParams, model_params
-
-        self.tokenizer = load_tokenizer(model_params(TextParams, args).model_path)
-
-    def execute(self, requests: list) -> list:
-        return [self._one(r) for r in requests]
 
     def _one(self, request: Any) -> Any:
         try:

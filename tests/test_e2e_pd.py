@@ -183,25 +183,42 @@ def test_corrupted_blob_fails_that_request_naming_the_transport(server, env) -> 
     assert E.ids_of(responses) == list(E.reference(text)[0])
 
 
-def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
-    texts = [E.PROMPTS[i % len(E.PROMPTS)] for i in range(16)]
+def _concurrent_streams(server, n: int, timeout: float) -> tuple[list, list]:
+    """`n` streams at once, half to pd (token ids), half to llm (text); (results, expected ids)."""
+    texts = [E.PROMPTS[i % len(E.PROMPTS)] for i in range(n)]
     expected = [list(E.reference(t)[0]) for t in texts]
+    values = [E.llm_inputs(t) if i % 2 else E.pd_inputs(E.prompt_ids(t)) for i, t in enumerate(texts)]
     results: list[list[int] | BaseException] = [[] for _ in texts]
 
     def one(i: int) -> None:
         try:
             model = "llm" if i % 2 else "pd"
-            values = E.llm_inputs(texts[i]) if model == "llm" else E.pd_inputs(E.prompt_ids(texts[i]))
-            results[i] = E.ids_of(E.stream_infer(server.grpc_url, model, values, PD_OUT, timeout=300))
+            results[i] = E.ids_of(E.stream_infer(server.grpc_url, model, values[i], PD_OUT, timeout=timeout))
         except BaseException as exc:
             results[i] = exc
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(2 * timeout)
+    return results, expected
+
+
+def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
+    results, expected = _concurrent_streams(server, 16, timeout=300)
     assert results == expected
+
+
+def test_rounds_of_concurrent_streams_keep_the_pd_stub_alive(server) -> None:
+    """Regression: Triton 2.51's stub freed finished BLS streams without the GIL (clients.py); with many
+    concurrent streams that crashed the pd stub (double free) within a few rounds of 24."""
+    for round_ in range(8):
+        results, expected = _concurrent_streams(server, 24, timeout=120)
+        assert results == expected, f"round {round_}"
+    log = server.log_tail(10**6)
+    for symptom in ("double free", "Reference count error", "not healthy", "lock_exception"):
+        assert symptom not in log, log
 
 
 def test_metrics_show_the_airm_families_after_traffic(server) -> None:

@@ -6,12 +6,21 @@ exception type (`inputs.remote_error`), so pd's error names the transport whiche
 Triton 2.51 facts this leans on: `exec(decoupled=True)` blocks until the first response arrives (so the
 orchestrator drives decode from its own thread), async BLS is unsupported in decoupled models, and a
 BLS stream cannot be cancelled by its caller.
+
+One more, found the hard way (a stub crash under concurrent streams: `double free`, "Reference count
+error ... dtype 17 (O)"): when a BLS stream ends, the stub's stub-to-parent thread drops its reference
+to the response iterator *without holding the GIL*. If that is the last reference, the iterator's
+responses and their numpy arrays are freed there, racing every Python thread. So a finished iterator is
+kept alive (`RETIRED`) until a later blocking round trip through the same FIFO queue (`fenced`, around
+the request's `is_cancelled`) proves the stub has let go of it; the last reference then drops here,
+on a thread that holds the GIL.
 """
 
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +30,37 @@ from rngd_pd.triton import pbutils
 from rngd_pd.triton.inputs import remote_error
 
 STREAM_TIMEOUT_S = 600.0  # no response from a remote decode for this long fails the request
+
+
+class RetiredIterators:
+    """Finished BLS response iterators, held until the stub's cleanup thread is certainly past them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Any] = []
+
+    def retire(self, iterator: Any) -> None:
+        with self._lock:
+            self._items.append(iterator)
+
+    def fenced(self, probe: Callable[[], Any]) -> Any:
+        """Run `probe` (a blocking stub-to-parent round trip such as `request.is_cancelled`), then drop
+        the iterators retired before it: the stub's queue is FIFO, so their cleanup has run."""
+        with self._lock:
+            items, self._items = self._items, []
+        try:
+            return probe()
+        except BaseException:
+            with self._lock:  # not proven: keep them for the next fence
+                self._items[:0] = items
+            raise
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+RETIRED = RetiredIterators()
 
 
 class BlsClient:
@@ -43,10 +83,14 @@ class BlsClient:
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray],
                outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
-        for response in self._request(model, inputs, outputs).exec(decoupled=True):
-            result = self._outputs(response)
-            if result:  # the empty final response only closes the stream
-                yield result
+        responses = self._request(model, inputs, outputs).exec(decoupled=True)
+        try:
+            for response in responses:
+                result = self._outputs(response)
+                if result:  # the empty final response only closes the stream
+                    yield result
+        finally:
+            RETIRED.retire(responses)  # see the module docstring: never the last reference to drop
 
 
 class GrpcClient:

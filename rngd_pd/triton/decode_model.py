@@ -204,5 +204,6 @@ class DecodeModel:
 
     def finalize(self) -> None:
         self.service.close()
+        self.metrics.close()
         self._in_flight = self._family = None
 

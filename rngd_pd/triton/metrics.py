@@ -111,6 +111,14 @@ class ServingMetrics:
                 self.sink.set_gauge(KV_TRANSFER, labels, percentile(window, 50) * 1e3)
                 self.sink.observe(KV_HIST, labels, seconds)
 
+    def close(self) -> None:
+        """Drop the sink's Triton metric objects; call from the model's `finalize` (the stub crashes
+        when they are freed at interpreter exit, after its shared memory is gone)."""
+        with self._lock:
+            close = getattr(self.sink, "close", None)
+            if close is not None:
+                close()
+
     def snapshot(self) -> dict[str, Any]:
         """The current gauge values (ms, tokens/s) and window sizes."""
         with self._lock:

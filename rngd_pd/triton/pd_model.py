@@ -54,6 +54,9 @@ class _GenerationModel:
              cancelled: Callable[[], bool]) -> RunStats:
         raise NotImplementedError
 
+    def finalize(self) -> None:
+        self.metrics.close()
+
 
 class PdModel(_GenerationModel):
     """`pd`: one request = prefill + decode, by BLS here or gRPC to other servers."""
@@ -74,7 +77,10 @@ class PdModel(_GenerationModel):
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool]) -> RunStats:
-        return self.orchestrator.run(ids, params, stream, emit, cancelled)
+        from rngd_pd.triton.clients import RETIRED
+
+        # every cancel check doubles as the fence that lets finished BLS streams go (clients.py)
+        return self.orchestrator.run(ids, params, stream, emit, lambda: RETIRED.fenced(cancelled))
 
 
 class ColocatedModel(_GenerationModel):
@@ -117,3 +123,4 @@ class ColocatedModel(_GenerationModel):
 
     def finalize(self) -> None:
         self.engine.close()
+        super().finalize()

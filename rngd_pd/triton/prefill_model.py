@@ -77,3 +77,4 @@ class PrefillModel:
 
     def finalize(self) -> None:
         self.service.close()
+        self.metrics.close()

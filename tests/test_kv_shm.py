@@ -66,19 +66,43 @@ def test_plain_keys_keep_their_name_and_distinct_keys_differ():
     assert safe_name("a/b") != safe_name("a_b") and safe_name("a/b") != safe_name("a\\b")
 
 
-def test_blob_published_only_by_atomic_rename(root, monkeypatch):
+def test_a_blob_gets_its_name_only_once_complete(root, monkeypatch):
     seen = []
+    real_link = os.link
+    data = np.arange(1000, dtype=np.uint16).view(np.uint8)
+
+    def spy(src, dst):  # what a reader could open the instant the name appears
+        with open(src, "rb") as f:
+            seen.append((os.path.basename(dst), f.read()))
+        real_link(src, dst)
+
+    monkeypatch.setattr(shm.os, "link", spy)
+    with ShmTransport(root=root) as t:
+        t.push("k", 5, data)
+        out = np.zeros_like(data)
+        assert t.pull("k", 5, out, 1.0) == data.size and np.array_equal(out, data)
+    name, content = seen[0]
+    assert name == "5" and content[:data.size] == data.tobytes()
+    magic, _, has_crc, _, _, size = shm.TRAILER.unpack(content[data.size:])
+    assert (magic, has_crc, size) == (shm.MAGIC, 1, data.size)  # the trailer is written before the link
+
+
+def test_pushing_a_blob_again_replaces_it_atomically(root, monkeypatch):
+    renames = []
     real_rename = os.rename
 
     def spy(src, dst):
-        seen.append((os.path.basename(src), sorted(os.listdir(os.path.dirname(dst)))))
+        renames.append(os.path.basename(src))
         real_rename(src, dst)
 
     monkeypatch.setattr(shm.os, "rename", spy)
     with ShmTransport(root=root) as t:
-        t.push("k", 5, np.arange(1000, dtype=np.uint8))
-    tmp, listing = seen[0]
-    assert tmp.startswith(".5.") and listing == [tmp]  # before the rename only the hidden temp name exists
+        t.push("k", 0, b"first")
+        t.push("k", 0, b"again")
+        out = bytearray(5)
+        assert t.pull("k", 0, out, 1.0) == 5 and bytes(out) == b"again"
+        assert t.stored_blobs("k") == 1
+    assert len(renames) == 1 and renames[0].startswith(".0.")  # a hidden temp name, renamed over
 
 
 def test_enospc_is_a_capacity_error_leaving_nothing(root, monkeypatch):

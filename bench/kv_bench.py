@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rngd_pd.kv import load_transport
+from rngd_pd.kv.protocol import flush
 from rngd_pd.kv.wire import tune_socket
 
 LAYERS, KV_HEADS, HEAD_DIM, ELEM = 32, 8, 128, 2
@@ -114,8 +115,7 @@ def _pusher(conn, name: str, options: dict, blob: int, blobs: int) -> None:
         if msg is None:
             break
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=lambda k=k: [t.push(k, i, src[i]) for i in range(blobs)])
-                   for k in msg]
+        threads = [threading.Thread(target=_push_all, args=(t, k, src)) for k in msg]
         for th in threads:
             th.start()
         for th in threads:
@@ -124,6 +124,12 @@ def _pusher(conn, name: str, options: dict, blob: int, blobs: int) -> None:
         conn.recv()  # stay up (holding what nixl-ucx must serve) until the puller says so
     t.close()
     conn.send("closed")
+
+
+def _push_all(t, key: str, src: np.ndarray) -> None:
+    for i in range(len(src)):
+        t.push(key, i, src[i])
+    flush(t, key)  # a pipelining transport (tcp) is done only when the relay acknowledged everything
 
 
 def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int) -> dict:

@@ -85,6 +85,43 @@ def test_memory_cap_is_a_clear_capacity_error():
         c.put("a", 1, bytes(600_000))  # room again after release
 
 
+def test_pipelined_push_is_stored_once_flush_returns(relay):
+    with TcpTransport(relay) as t:
+        for i in range(20):  # more than PUSH_WINDOW answers: some are read while pushing
+            t.push("pipe", i, bytes([i]) * 100_000)
+        t.flush("pipe")
+        assert t.client.stat("pipe")["key_blobs"] == 20 and "pipe" not in t.client._pushing
+        t.flush("pipe")  # nothing due: a no-op
+        t.release("pipe")
+
+
+def test_pipelined_push_error_comes_by_a_later_push_or_flush():
+    with start_relay("127.0.0.1", 0, "--max-mb", "1") as r, TcpTransport(r.addr) as t:
+        t.push("a", 0, bytes(600_000))
+        t.push("a", 1, bytes(600_000))  # over the cap: the relay refuses it, the answer comes later
+        with pytest.raises(TransportCapacityError, match="memory cap"):
+            t.flush("a")
+        assert "a" not in t.client._pushing
+        t.push("a", 2, b"small")  # a fresh connection: the client still works
+        t.flush("a")
+        assert t.client.stat("a")["key_blobs"] == 2
+        t.release("a")  # flushes our own pushes first, so no PUT lands after the DELETE
+        assert t.client.stat()["used_bytes"] == 0
+
+
+def test_a_client_that_never_flushes_keeps_a_bounded_number_of_connections(relay):
+    from rngd_pd.kv.tcp import PUSH_KEYS
+
+    with TcpTransport(relay) as t:
+        for k in range(PUSH_KEYS + 10):
+            t.push(f"nf{k}", 0, b"x" * 10)
+        assert len(t.client._pushing) == PUSH_KEYS
+        for k in range(10):  # the displaced (oldest) keys had their answers read: stored
+            assert t.client.stat(f"nf{k}")["key_blobs"] == 1
+        for k in range(PUSH_KEYS + 10):
+            t.release(f"nf{k}")
+
+
 def test_blob_and_key_limits():
     with start_relay("127.0.0.1", 0, "--max-blob-mb", "1") as r, RelayClient(r.addr) as c:
         with pytest.raises(TransportCapacityError, match="limit of 1048576"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rngd_pd.errors import TransportError, TransportIntegrityError, TransportTimeoutError
-from rngd_pd.kv.protocol import ConformanceCase
+from rngd_pd.kv.protocol import ConformanceCase, flush
 from rngd_pd.kv.registry import load_transport, transport_class
 
 SIZES = (1, 7, 4096, 65537, 1 << 20, (16 << 20) + 3, 64 << 20)
@@ -61,6 +61,8 @@ def _pusher(name: str, options: dict, env: dict, jobs: list, threads: int, done,
             for key, index, seed, size, delay in part:
                 time.sleep(delay)
                 t.push(key, index, payload(seed, size))
+            for key in dict.fromkeys(job[0] for job in part):
+                flush(t, key)
 
         parts = [jobs[i::threads] for i in range(threads)]
         pool = [threading.Thread(target=work, args=(p,)) for p in parts]
@@ -166,6 +168,7 @@ class Suite:
             before = self.case.stored_bytes() if self.case.stored_bytes else 0
             for i in range(4):
                 t.push(key, i, payload(i, 1 << 20))
+            flush(t, key)
             assert self.case.stored_blobs(key) == 4, f"stored {self.case.stored_blobs(key)} of 4 blobs"
             if self.case.stored_bytes:
                 assert self.case.stored_bytes() >= before + (4 << 20), "pushed bytes are not accounted"
@@ -182,6 +185,7 @@ class Suite:
         key = f"{self.tag}-ttl"
         with contextlib.closing(self.transport(**self.case.ttl_options)) as t:
             t.push(key, 0, payload(1, 65536))
+            flush(t, key)
             assert self.case.stored_blobs(key) == 1
             deadline = time.monotonic() + 10 * self.case.ttl_s + 5
             while self.case.stored_blobs(key) and time.monotonic() < deadline:

@@ -141,8 +141,9 @@ class NixlUcxTransport(Closing):
                 self.ep.free_token(token)
             raise
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every pushed blob's descriptor is in the relay (push returns before that)."""
+    def flush(self, key: str | None = None, timeout: float = 30.0) -> None:
+        """Wait until every pushed blob's descriptor is in the relay (push returns before that);
+        `key` is accepted for the protocol's `flush(key)`, but every queued descriptor is waited for."""
         self.publisher.flush(timeout)
 
     # pull -------------------------------------------------------------------------------------------

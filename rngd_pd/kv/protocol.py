@@ -39,6 +39,11 @@ class Transport(Protocol):
         until the bytes are owned by the transport: the caller may overwrite `data` on return. The
         blob becomes visible to `pull` only complete, never partially. Pushing the same (key, index)
         again replaces it.
+
+        A transport may return before its storage acknowledged the blob (tcp pipelines its PUTs);
+        such a transport also has `flush(key)`, which returns once every blob pushed for `key` is
+        stored and raises the first error that came back meanwhile. Callers that need to know a
+        request's KV is safely out (prefill, before it answers) call `flush` when it exists.
         """
         ...
 
@@ -64,6 +69,14 @@ class Transport(Protocol):
         """Free this object's resources (connections, pools, arenas). Idempotent."""
         ...
 
+
+
+def flush(transport: Any, key: str) -> None:
+    """`transport.flush(key)` where the transport has it (pushes that may return before the blob is
+    stored); a no-op for the others."""
+    fn = getattr(transport, "flush", None)
+    if fn is not None:
+        fn(key)
 
 
 class Closing:

@@ -38,6 +38,8 @@ from rngd_pd.kv.relaypool import Pool, shared_pool, unshare_pool
 log = logging.getLogger("rngd_pd.kv.tcp")
 IO_TIMEOUT_S = 60.0  # a relay that stops answering mid-transfer becomes an error, not a hang
 AHEAD_WAIT_S = 2.0  # how long the relay holds a read-ahead GET before answering "timeout"
+PUSH_WINDOW = 8  # PUTs of one key sent before their answers are waited for (pipelined push)
+PUSH_KEYS = 64  # keys with answers still due kept per client; beyond it the oldest is flushed
 _ERRORS = {
     wire.ST_TIMEOUT: TransportTimeoutError,
     wire.ST_INTEGRITY: TransportIntegrityError,
@@ -93,6 +95,8 @@ class RelayClient(Closing):
         self._pool: Pool | None = shared_pool(self.addr, self.secret, IO_TIMEOUT_S)
         self._ahead: dict[str, tuple[socket.socket, int]] = {}  # key -> connection with a GET in flight
         self._ahead_lock = threading.Lock()
+        self._pushing: dict[str, list] = {}  # key -> [connection, PUT answers still due] (pipelined)
+        self._push_lock = threading.Lock()
 
     def _key(self, key: str) -> bytes:
         raw = key.encode()
@@ -161,13 +165,68 @@ class RelayClient(Closing):
         self._check(resp, msg, frame.op, key)
         return resp, body
 
-    def put(self, key: str, index: int, data: Any) -> None:
-        """Store a blob; returns once the relay holds it (checksum verified there)."""
+    def put(self, key: str, index: int, data: Any, wait: bool = True) -> None:
+        """Store a blob. `wait`: return once the relay holds it (checksum verified there). Otherwise
+        return once the bytes are in the socket (the caller may reuse `data`); the relay's answer is
+        read by a later `put` of the key or by `flush(key)`, which raise the first error. Up to
+        PUSH_WINDOW answers are due at once, so sending blob i+1 overlaps the relay checking blob i.
+        """
         view = as_bytes(data)
         crc = wire.blob_crc(self.alg, view)
         if self.log_blobs:
             _log_blob("push", key, index, view)
-        self._call(key, wire.Frame(wire.OP_PUT, self.alg, index=index, size=len(view), crc=crc), view)
+        frame = wire.Frame(wire.OP_PUT, self.alg, index=index, size=len(view), crc=crc)
+        if wait:
+            self._call(key, frame, view)
+            return
+        with self._push_lock:
+            state = self._pushing.pop(key, None)  # ours while we send: one sender per connection
+        if state is None:
+            state = [self._acquire(), 0]
+        self._send(state[0], key, frame, view)  # closes the connection and raises on failure
+        state[1] += 1
+        try:
+            self._collect(state, key, keep=PUSH_WINDOW)
+        except BaseException:
+            state[0].close()  # answers may still be due on it: never reuse
+            raise
+        with self._push_lock:
+            same = self._pushing.pop(key, None)  # another thread pushed this key meanwhile
+            self._pushing[key] = state
+            stale = []  # a caller that never flushes must not pile up connections
+            while len(self._pushing) > PUSH_KEYS:
+                oldest = next(iter(self._pushing))
+                stale.append((oldest, self._pushing.pop(oldest)))
+        for other, old in stale:
+            try:
+                self._drain(old, other)
+            except TransportError as e:  # nobody flushed that key: its puller will time out
+                log.warning("unflushed pushes of %s failed: %s", other, e)
+        if same is not None:
+            self._drain(same, key)
+
+    def _collect(self, state: list, key: str, keep: int) -> None:
+        """Read PUT answers until at most `keep` are due (and, beyond that, those already here)."""
+        sock = state[0]
+        while state[1] and (state[1] > keep or select.select([sock], [], [], 0)[0]):
+            resp, msg, _ = self._receive(sock, key, None)  # closes the connection on I/O errors
+            state[1] -= 1
+            self._check(resp, msg, wire.OP_PUT, key)
+
+    def _drain(self, state: list, key: str) -> None:
+        try:
+            self._collect(state, key, keep=0)
+        except BaseException:
+            state[0].close()
+            raise
+        self._pool.give_back(state[0]) if self._pool is not None else state[0].close()
+
+    def flush(self, key: str) -> None:
+        """Wait for every answer due for `key`'s pipelined PUTs; raise the first error (no-op if none)."""
+        with self._push_lock:
+            state = self._pushing.pop(key, None)
+        if state is not None:
+            self._drain(state, key)
 
     def get_into(self, key: str, index: int, out: Any, timeout: float, read_ahead: bool = False) -> int:
         """Wait up to `timeout` s for the blob, receive it into `out`, verify its checksum; return nbytes.
@@ -253,7 +312,9 @@ class RelayClient(Closing):
     def close(self) -> None:
         with self._ahead_lock:
             parked, self._ahead = list(self._ahead.values()), {}
-        for sock, _ in parked:
+        with self._push_lock:
+            pushing, self._pushing = list(self._pushing.values()), {}
+        for sock, _ in parked + pushing:
             sock.close()
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -272,12 +333,18 @@ class TcpTransport(Closing):
         self.read_ahead = read_ahead  # pulls in index order find the next blob already requested
 
     def push(self, key: str, index: int, data: Any) -> None:
-        self.client.put(key, index, data)
+        self.client.put(key, index, data, wait=False)  # pipelined: errors come by a later push or flush
+
+    def flush(self, key: str) -> None:
+        """Every blob pushed for `key` is stored at the relay once this returns (else it raises)."""
+        self.client.flush(key)
 
     def pull(self, key: str, index: int, out: Any, timeout: float) -> int:
         return self.client.get_into(key, index, out, timeout, read_ahead=self.read_ahead)
 
     def release(self, key: str) -> None:
+        with contextlib.suppress(TransportError):  # our own PUTs must not land after the DELETE
+            self.client.flush(key)
         self.client.drop_read_ahead(key)
         self.client.delete(key)
 

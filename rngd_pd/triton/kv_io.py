@@ -25,6 +25,7 @@ import torch
 from rngd_pd import errors
 from rngd_pd.kv.buffers import as_bytes, checksum
 from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
+from rngd_pd.kv.protocol import flush
 
 ENV_DEBUG_LOG = "RNGD_PD_KV_DEBUG_LOG"
 HANDLE_MAX_BYTES = 1 << 20
@@ -86,6 +87,12 @@ class KVSender:
                           dtype=s.dtype, layout=s.layout, sizes=list(self.sizes),
                           checksums=list(self.checksums), checksum_algorithm="crc32c")
         self._push(handle_index(s.num_layers), handle.to_json())
+        t0 = time.perf_counter()
+        try:
+            flush(self.transport, self.key)  # pipelined pushes (tcp): wait for their answers
+        except errors.TransportError as exc:
+            raise _named(self.transport, exc, self.key, "store the pushed blobs") from exc
+        self.push_s += time.perf_counter() - t0
         return handle
 
 

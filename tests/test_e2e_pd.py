@@ -61,6 +61,20 @@ def test_llm_without_stream_is_one_response_with_the_whole_text(server) -> None:
     assert E.ids_of(responses) == list(ids) and E.text_of(responses) == ref_text
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_llm_text_stops_before_the_stop_string(server, stream: bool) -> None:
+    text = E.PROMPTS[1]
+    ids, ref_text, _ = E.reference(text)
+    stop = " reflection of"  # spans several tokens of the reference text
+    assert stop in ref_text
+    values = E.llm_inputs(text, stream=stream, stop=np.array([stop.encode(), b"never there"], np.object_))
+    responses = E.stream_infer(server.grpc_url, "llm", values, LLM_OUT)
+    assert E.text_of(responses) == ref_text[:ref_text.find(stop)]  # as vLLM/OpenAI: never the stop string
+    assert E.reason_of(responses) == "stop"
+    got = E.ids_of(responses)
+    assert got == list(ids[:len(got)]) and stop in E.loaded_model().tokenizer.decode(got)
+
+
 def test_llm_http_generate_and_generate_stream(server) -> None:
     text = E.PROMPTS[0]
     ids, ref_text, reason = E.reference(text)

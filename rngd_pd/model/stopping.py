@@ -27,10 +27,10 @@ class StopChecker:
         if not self.stop:
             return delta, False
         buf = self._pending + delta
-        hit = min(((buf.find(s), s) for s in self.stop if s in buf), default=None)
-        if hit is not None:
-            idx, s = hit
-            self.stopped, self.matched, self._pending = True, s, ""
+        idx = first_stop(buf, self.stop)
+        if idx >= 0:
+            self.stopped, self._pending = True, ""
+            self.matched = next(s for s in self.stop if s and buf.find(s) == idx)
             return buf[:idx], True
         hold = self._held_suffix_len(buf)
         self._pending = buf[len(buf) - hold :] if hold else ""
@@ -41,11 +41,22 @@ class StopChecker:
         return out
 
     def _held_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return held_suffix_len(buf, self.stop)
+
+
+def held_suffix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string: what a
+    stream must hold back because the next token may complete a stop string there."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
+    """Index of the earliest occurrence of any stop string in `text[start:]`, or -1."""
+    hits = [i for i in (text.find(s, start) for s in stop if s) if i >= 0]
+    return min(hits, default=-1)

@@ -79,15 +79,21 @@ class RunStats:
     extra: dict = field(default_factory=dict)
 
 
+def context_len(stop: tuple[str, ...] | list[str]) -> int:
+    """Preceding ids a chunk carries: CONTEXT, plus room for postprocess to hold back the tail that
+    could still become a stop string (the longest one less a character, <= 4 tokens per character)."""
+    return CONTEXT + 4 * max((len(s) for s in stop), default=0)
+
+
 class ChunkEmitter:
     """Streams chunks one by one, or (stream=False) collects everything into one final chunk."""
 
-    def __init__(self, stream: bool, emit: Callable[[Chunk], None]) -> None:
-        self.stream, self.emit = stream, emit
+    def __init__(self, stream: bool, emit: Callable[[Chunk], None], context: int = CONTEXT) -> None:
+        self.stream, self.emit, self.context = stream, emit, context
         self.ids: list[int] = []
 
     def add(self, ids: list[int], reason: str = "") -> None:
-        context = self.ids[-CONTEXT:]
+        context = self.ids[-self.context:]
         self.ids.extend(ids)
         if self.stream and (ids or reason):
             self.emit(Chunk(ids, context, reason))
@@ -114,7 +120,7 @@ class Orchestrator:
         pump = threading.Thread(target=self._pump, args=(stats.key, len(input_ids), params, responses),
                                 name=f"pd-decode-{stats.key[:8]}", daemon=True)
         pump.start()
-        out = ChunkEmitter(stream, emit)
+        out = ChunkEmitter(stream, emit, context_len(params.stop))
         try:
             first = self._prefill(stats.key, input_ids, params)
             stats.first_token_at = time.monotonic()

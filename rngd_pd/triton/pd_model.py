@@ -14,7 +14,7 @@ from typing import Any
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import inputs, pbutils
 from rngd_pd.triton import tensors as T
-from rngd_pd.triton.orchestrator import Chunk, ChunkEmitter, RunStats
+from rngd_pd.triton.orchestrator import Chunk, ChunkEmitter, RunStats, context_len
 from rngd_pd.triton.serving import getter, run_decoupled
 from rngd_pd.triton.text_models import CONTEXT_IDS, spec_for
 
@@ -106,7 +106,7 @@ class ColocatedModel(_GenerationModel):
         from rngd_pd.triton.inputs import new_key
 
         stats = RunStats(new_key(), time.monotonic())
-        out = ChunkEmitter(stream, emit)
+        out = ChunkEmitter(stream, emit, context_len(params.stop))
         events = self.engine.stream(ids, params, key=stats.key)
         try:
             for ev in events:

@@ -180,7 +180,7 @@ DECODE = ModelSpec(
 )
 POSTPROCESS = ModelSpec(
     "postprocess",
-    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True)),
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True), _t(STOP, "BYTES", -1, optional=True)),
     (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS),
     doc="token ids -> text",
 )

@@ -10,7 +10,12 @@ span tokens (byte-level BPE), and some decoders drop a leading space at the star
 
 where `safe` drops a trailing incomplete character (U+FFFD) except on the final response. The deltas
 telescope: their concatenation equals decode(all generated ids) exactly, never with broken UTF-8.
-The text is the decode of the ids (stop strings are not trimmed here; finish_reason says "stop").
+
+Stop strings (the request's `stop`, mapped to postprocess too): as in vLLM and the OpenAI API the text
+never contains one. Before the final response each side also drops the tail that could still become
+a stop string (`held_suffix_len`); the final response cuts the text at the first stop string after
+what was already released. pd sends enough context for that (`orchestrator.context_len`): the
+held-back tail is at most the longest stop string less one character, each at most 4 tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.model.stopping import first_stop, held_suffix_len
 from rngd_pd.triton import pbutils
 from rngd_pd.triton import tensors as T
 
@@ -42,11 +48,18 @@ def _safe(text: str) -> str:
     return text[:-1] if text.endswith("\ufffd") else text
 
 
-def text_delta(tokenizer: Any, context: Sequence[int], ids: Sequence[int], final: bool) -> str:
+def text_delta(tokenizer: Any, context: Sequence[int], ids: Sequence[int], final: bool,
+               stop: Sequence[str] = ()) -> str:
     """The text `ids` add after `context` (see the module docstring); flushes on `final`."""
+    stop = tuple(s for s in stop if s)
     before = _safe(tokenizer.decode(list(context))) if context else ""
+    before = before[:len(before) - held_suffix_len(before, stop)]  # what earlier deltas released
     after = tokenizer.decode([*context, *ids])
-    after = after if final else _safe(after)
+    if not final:
+        after = _safe(after)
+        after = after[:len(after) - held_suffix_len(after, stop)]
+    elif stop and (cut := first_stop(after, stop, len(before))) >= 0:
+        after = after[:cut]
     if after.startswith(before):
         return after[len(before):]
     common = 0  # a decoder that rewrote the context's tail: emit what differs after the shared prefix
@@ -97,7 +110,8 @@ class PostprocessModel(_TokenizerModel):
             ids = _ints(pbutils.input_array(request, T.OUTPUT_IDS))
             context = _ints(pbutils.input_array(request, CONTEXT_IDS))
             reason = pbutils.input_scalar(request, T.FINISH_REASON, "") or ""
-            text = text_delta(self.tokenizer, context, ids, final=bool(reason))
+            stop = pbutils.input_strings(request, T.STOP)
+            text = text_delta(self.tokenizer, context, ids, final=bool(reason), stop=stop)
         except Exception as exc:
             return pbutils.error_response(exc)
         return pbutils.make_response(POSTPROCESS_SPEC, {T.TEXT_OUTPUT: text, T.OUTPUT_IDS: ids,

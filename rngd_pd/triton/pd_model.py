@@ -44,7 +44,8 @@ class _GenerationModel:
         def emit(chunk: Chunk) -> None:
             response = pbutils.make_response(self.spec, {T.OUTPUT_IDS: chunk.token_ids,
                                                          T.FINISH_REASON: chunk.finish_reason,
-                                                         CONTEXT_IDS: chunk.context_ids})
+                                                         CONTEXT_IDS: chunk.context_ids,
+                                                         T.STOP: list(params.stop)})
             pbutils.send(sender, response, final=chunk.final)
 
         stats = self._run(ids, params, stream, emit, request.is_cancelled)

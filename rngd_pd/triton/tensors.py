@@ -142,7 +142,9 @@ LLM = ModelSpec(
 PD = ModelSpec(
     "pd",
     (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS),
-    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1)),
+    # context_ids and stop (the request's stop strings, echoed) are for the stateless postprocess of
+    # the llm ensemble: a step may not mix inputs from a decoupled model and the ensemble's own inputs
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1)),
     decoupled=True,
     doc="BLS orchestrator: prefill + decode of one request, streams tokens",
 )

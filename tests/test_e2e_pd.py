@@ -224,17 +224,6 @@ def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
     assert results == expected
 
 
-def test_rounds_of_concurrent_streams_keep_the_pd_stub_alive(server) -> None:
-    """Regression: Triton 2.51's stub freed finished BLS streams without the GIL (clients.py); with many
-    concurrent streams that crashed the pd stub (double free) within a few rounds of 24."""
-    for round_ in range(8):
-        results, expected = _concurrent_streams(server, 24, timeout=120)
-        assert results == expected, f"round {round_}"
-    log = server.log_tail(10**6)
-    for symptom in ("double free", "Reference count error", "not healthy", "lock_exception"):
-        assert symptom not in log, log
-
-
 def test_metrics_show_the_airm_families_after_traffic(server) -> None:
     E.stream_infer(server.grpc_url, "llm", E.llm_inputs(E.PROMPTS[0]), LLM_OUT)
     with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:

@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without a response = failed")
     p.add_argument("--transport", default="shm", help="shm (tcp and nixl-ucx need a relay: use pd_overhead)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--log", type=Path, help="keep the tritonserver log here")
+    p.add_argument("--extra", action="append", default=[], help="extra tritonserver argument (repeatable)")
+    p.add_argument("--decode-by", choices=("bls", "grpc"), default="bls",
+                   help="how pd reaches decode: BLS (default) or gRPC to this same server (decode_url)")
     args = p.parse_args(argv)
 
     from rngd_pd.triton.server import ServerConfig, TritonServer
@@ -85,9 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         shm = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir()
                                                               else None))
         log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-stress-"))) / "triton.log"
+        from rngd_pd.triton.params import ENV_DECODE_URL
+        from rngd_pd.triton.server import free_port
+
         env = {"AIRM_KV_TRANSPORT": args.transport, "PD_SHM_ROOT": shm}
-        cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=0, metrics_port=0,
-                           env=env)
+        grpc_port = free_port("127.0.0.1")
+        if args.decode_by == "grpc":
+            env[ENV_DECODE_URL] = f"127.0.0.1:{grpc_port}"
+        cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=grpc_port, metrics_port=0,
+                           env=env, extra_args=tuple(args.extra))
         server = stack.enter_context(TritonServer(cfg, log=log))
         print(f"  .. starting tritonserver (cpu config, {args.transport})", file=sys.stderr, flush=True)
         server.wait_ready(600)
@@ -105,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             if row["failed"]:
                 break
         text = log.read_text(errors="replace") if log.exists() else ""
+        if args.log:
+            args.log.write_text(text)
     signs = sorted({s for s in CRASH_SIGNS if s in text})
     total = sum(r["streams"] for r in rows)
     failed = sum(r["failed"] for r in rows)

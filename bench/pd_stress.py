@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", action="append", default=[], help="extra tritonserver argument (repeatable)")
     p.add_argument("--decode-by", choices=("bls", "grpc"), default="bls",
                    help="how pd reaches decode: BLS (default) or gRPC to this same server (decode_url)")
+    p.add_argument("--prefill-by", choices=("bls", "grpc"), default="bls",
+                   help="how pd reaches prefill: BLS (default) or gRPC to this same server (prefill_url)")
     args = p.parse_args(argv)
 
     from rngd_pd.triton.server import ServerConfig, TritonServer
@@ -89,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         shm = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir()
                                                               else None))
         log = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-stress-"))) / "triton.log"
-        from rngd_pd.triton.params import ENV_DECODE_URL
+        from rngd_pd.triton.params import ENV_DECODE_URL, ENV_PREFILL_URL
         from rngd_pd.triton.server import free_port
 
         env = {"AIRM_KV_TRANSPORT": args.transport, "PD_SHM_ROOT": shm}
         grpc_port = free_port("127.0.0.1")
         if args.decode_by == "grpc":
             env[ENV_DECODE_URL] = f"127.0.0.1:{grpc_port}"
+        if args.prefill_by == "grpc":
+            env[ENV_PREFILL_URL] = f"127.0.0.1:{grpc_port}"
         cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=grpc_port, metrics_port=0,
                            env=env, extra_args=tuple(args.extra))
         server = stack.enter_context(TritonServer(cfg, log=log))

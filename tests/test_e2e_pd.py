@@ -232,3 +232,27 @@ def test_metrics_show_the_airm_families_after_traffic(server) -> None:
         assert f"\n{family}{{" in text, family
     assert 'airm_kv_transfer_ms{kv_transport="shm"' in text or 'kv_transport="shm"' in text
     assert _metric(server, 'airm_ttft_p90_ms{model="pd"}') > 0
+
+
+def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[str, str]) -> None:
+    """Regressions: a cancelled request kept pd busy for 30 s (its decode stream's last response never
+    came back), and finished BLS streams still held at pd's exit hung its unload; either way pd
+    outlived the server's exit timeout."""
+    from rngd_pd.triton.server import ServerConfig, TritonServer
+
+    log = tmp_path / "tritonserver.log"
+    cfg = ServerConfig(Path(E.REPOSITORY), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
+    with TritonServer(cfg, log=log) as s:
+        s.wait_ready(600)
+        for text in E.PROMPTS[:3]:
+            E.stream_infer(s.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT)
+        ids = E.prompt_ids(E.PROMPTS[1])
+        got = E.stream_infer(s.grpc_url, "pd", E.pd_inputs(ids, max_tokens=1500), PD_OUT, cancel_after=3)
+        assert len(got) == 3
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.stop()
+        took = time.monotonic() - t0
+    text = log.read_text(errors="replace")
+    assert "unloaded 'pd'" in text and "Exit timeout expired" not in text, text[-3000:]
+    assert took < cfg.exit_timeout_s, took

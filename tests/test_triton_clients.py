@@ -62,3 +62,20 @@ def test_a_failed_probe_keeps_the_iterators_for_the_next_fence() -> None:
     with pytest.raises(RuntimeError, match="stub gone"):
         retired.fenced(probe)
     assert len(retired) == 1
+
+
+def test_drain_waits_for_the_newest_to_settle_then_drops_all() -> None:
+    import time
+
+    retired = RetiredIterators()
+    it = _Iterator()
+    ref = weakref.ref(it)
+    retired.retire(it)
+    del it
+    t0 = time.monotonic()
+    retired.drain(settle_s=0.2)
+    gc.collect()
+    assert time.monotonic() - t0 >= 0.15 and ref() is None and len(retired) == 0
+    t0 = time.monotonic()
+    retired.drain(settle_s=0.2)  # nothing newer: no wait beyond what has passed
+    assert time.monotonic() - t0 < 0.15

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -38,10 +39,24 @@ class RetiredIterators:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: list[Any] = []
+        self._last = 0.0  # when the newest one was retired (monotonic)
 
     def retire(self, iterator: Any) -> None:
         with self._lock:
             self._items.append(iterator)
+            self._last = time.monotonic()
+
+    def drain(self, settle_s: float = 1.0) -> None:
+        """Drop them all from `finalize`: no request is left to fence with, so wait until the newest
+        is `settle_s` old (its cleanup went out long before). Left to interpreter exit instead, their
+        teardown hung the stub's unload."""
+        with self._lock:
+            wait = self._last + settle_s - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        with self._lock:
+            items, self._items = self._items, []
+        del items
 
     def fenced(self, probe: Callable[[], Any]) -> Any:
         """Run `probe` (a blocking stub-to-parent round trip such as `request.is_cancelled`), then drop

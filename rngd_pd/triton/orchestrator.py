@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 CONTEXT = 8  # ids of left context a stateless detokenizer needs (a UTF-8 char spans <= 4 tokens)
 POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel flag
-JOIN_S = 30.0  # the most we wait for decode's stream to end after we gave up on it
+# The most the failed or cancelled request waits for decode's stream to end after pd told decode to
+# drop it. Decode frees the slot at once, but after a client cancellation (Triton 2.51) the stream's
+# last response may never reach pd: its pump thread then stays parked, and the request must not.
+JOIN_S = 2.0
 
 
 class ModelClient(Protocol):

@@ -83,6 +83,12 @@ class PdModel(_GenerationModel):
         # every cancel check doubles as the fence that lets finished BLS streams go (clients.py)
         return self.orchestrator.run(ids, params, stream, emit, lambda: RETIRED.fenced(cancelled))
 
+    def finalize(self) -> None:
+        from rngd_pd.triton.clients import RETIRED
+
+        RETIRED.drain()
+        super().finalize()
+
 
 class ColocatedModel(_GenerationModel):
     """`colocated`: prefill and decode in this instance; the KV never leaves the process."""

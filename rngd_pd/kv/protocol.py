@@ -70,7 +70,6 @@ class Transport(Protocol):
         ...
 
 
-
 def flush(transport: Any, key: str) -> None:
     """`transport.flush(key)` where the transport has it (pushes that may return before the blob is
     stored); a no-op for the others."""

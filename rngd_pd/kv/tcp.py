@@ -219,7 +219,10 @@ class RelayClient(Closing):
         except BaseException:
             state[0].close()
             raise
-        self._pool.give_back(state[0]) if self._pool is not None else state[0].close()
+        if self._pool is not None:
+            self._pool.give_back(state[0])
+        else:  # closed meanwhile
+            state[0].close()
 
     def flush(self, key: str) -> None:
         """Wait for every answer due for `key`'s pipelined PUTs; raise the first error (no-op if none)."""

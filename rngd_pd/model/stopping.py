@@ -19,7 +19,6 @@ class StopChecker:
         self.stop = tuple(stop)
         self._pending = ""
         self.stopped = False
-        self.matched: str | None = None
 
     def push(self, delta: str) -> tuple[str, bool]:
         if self.stopped:
@@ -30,18 +29,14 @@ class StopChecker:
         idx = first_stop(buf, self.stop)
         if idx >= 0:
             self.stopped, self._pending = True, ""
-            self.matched = next(s for s in self.stop if s and buf.find(s) == idx)
             return buf[:idx], True
-        hold = self._held_suffix_len(buf)
+        hold = held_suffix_len(buf, self.stop)
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
-
-    def _held_suffix_len(self, buf: str) -> int:
-        return held_suffix_len(buf, self.stop)
 
 
 def held_suffix_len(text: str, stop: tuple[str, ...]) -> int:

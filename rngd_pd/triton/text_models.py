@@ -11,7 +11,7 @@ span tokens (byte-level BPE), and some decoders drop a leading space at the star
 where `safe` drops a trailing incomplete character (U+FFFD) except on the final response. The deltas
 telescope: their concatenation equals decode(all generated ids) exactly, never with broken UTF-8.
 
-Stop strings (the request's `stop`, mapped to postprocess too): as in vLLM and the OpenAI API the text
+Stop strings (the request's `stop`, which pd echoes to postprocess): as in vLLM and the OpenAI API the text
 never contains one. Before the final response each side also drops the tail that could still become
 a stop string (`held_suffix_len`); the final response cuts the text at the first stop string after
 what was already released. pd sends enough context for that (`orchestrator.context_len`): the

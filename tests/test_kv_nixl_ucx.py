@@ -73,6 +73,11 @@ class _Ops:
             slot = [s for s in ep.slots.values() if s.key == key][-1]
             ep.arena[slot.offset + slot.nbytes // 2] ^= 0xFF
 
+    def parked_descriptor(self, t: str, key: str) -> int | None:
+        """The blob index whose descriptor GET is already on its way from the relay, if any."""
+        parked = self.transports[t].relay._ahead.get(key)
+        return parked[1] if parked else None
+
     def arena_used(self, t: str) -> int:
         return self.transports[t].ep.allocator.used
 
@@ -284,8 +289,10 @@ def test_read_ahead_posts_the_next_reads_and_release_frees_them(peers):
     assert _wait_until(lambda: b("arena_used", "main") == 2 * MiB)  # blobs 1 and 2 are read ahead
     assert b("pull", "main", "ra", 1, 21, MiB, 30.0)["exact"]  # served from the read-ahead
     assert _wait_until(lambda: b("arena_used", "main") == 2 * MiB)  # now blobs 2 and 3
+    assert b("parked_descriptor", "main", "ra") == 4  # the next descriptor is already being asked for
     b("release", "main", "ra")  # nobody will pull 2 and 3: release drops their read-aheads
     assert b("arena_used", "main") == 0
+    assert b("parked_descriptor", "main", "ra") is None  # and the parked descriptor GET
     # NIXL sends a READ's notification once the reader sees it complete: all four slots freed
     assert _wait_until(lambda: a("held", "main", "ra") == (0, 0)), a("held", "main", "ra")
 

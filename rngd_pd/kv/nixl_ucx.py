@@ -166,7 +166,7 @@ class NixlUcxTransport(Closing):
         return self._finish(rd, key, index, view, max(deadline, time.monotonic() + READ_GRACE_S))
 
     def _descriptor(self, key: str, index: int, timeout: float) -> dict[str, Any]:
-        raw = self.relay.get(key, index, timeout, DESCRIPTOR_MAX_BYTES)
+        raw = self.relay.get(key, index, timeout, DESCRIPTOR_MAX_BYTES, read_ahead=True)
         try:
             desc = json.loads(raw)
             if desc.get("v") != DESCRIPTOR_VERSION:
@@ -284,6 +284,7 @@ class NixlUcxTransport(Closing):
         self.publisher.flush()  # a descriptor still queued must not reappear after the delete
         self._drop_ahead(lambda k: k[0] == key)
         self.ep.drop_key(key)
+        self.relay.drop_read_ahead(key)
         self.relay.delete(key)
 
     def held(self, key: str | None = None) -> tuple[int, int]:

@@ -295,10 +295,11 @@ class RelayClient(Closing):
         if parked is not None:
             parked[0].close()
 
-    def get(self, key: str, index: int, timeout: float, max_bytes: int = 1 << 20) -> bytes:
-        """Small blobs (descriptors, handles) as bytes."""
+    def get(self, key: str, index: int, timeout: float, max_bytes: int = 1 << 20,
+            read_ahead: bool = False) -> bytes:
+        """Small blobs (descriptors, handles) as bytes; `read_ahead` as in get_into."""
         buf = bytearray(max_bytes)
-        n = self.get_into(key, index, buf, timeout)
+        n = self.get_into(key, index, buf, timeout, read_ahead)
         return bytes(buf[:n])
 
     def delete(self, key: str) -> int:

@@ -8,7 +8,9 @@ In the same run it measures the limits, each right before the row it belongs to:
 pre-faulted buffer (shm's), a raw loopback socket stream between two processes (tcp's), and a bare
 two-agent NIXL READ of the same bytes and in-flight count (nixl-ucx's, when NIXL is importable). Rows:
 ms per round (`in_flight` requests), ms per request, GB/s, the limit and the ratio to it (medians);
-the `limit:*` rows repeat the best limit seen.
+the `limit:*` rows repeat the best limit seen. shm rows also carry the copy-in/copy-out ceiling measured
+right after them (`ceiling_gbps`: two processes copying the request's bytes at once, the least work of
+any design that copies into shared memory and out again) and `ratio_to_ceiling`.
 
     python bench/kv_bench.py [--quick] [--json] [--transports shm,tcp,nixl-ucx]
 """
@@ -59,6 +61,41 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9
+
+
+def _copier(conn, nbytes: int, blob: int) -> None:
+    src, dst = faulted(nbytes), faulted(nbytes)
+    conn.send("ready")
+    while conn.recv():
+        _copy_blobs(src, dst, blob)
+        conn.send("done")
+
+
+def _copy_blobs(src: np.ndarray, dst: np.ndarray, blob: int) -> None:
+    for off in range(0, len(src), blob):
+        np.copyto(dst[off: off + blob], src[off: off + blob])
+
+
+def two_copy_gbps(nbytes: int, blob: int, reps: int) -> float:
+    """The copy-in/copy-out ceiling: this process and a child each copy the request's bytes, blob by
+    blob, at the same time (the least a transport that copies into shared memory in one process and
+    out of it in another must do). On a host whose memory bandwidth one core nearly saturates, this is
+    about half the memcpy figure: shm's 0.5 x memcpy target sits at this ceiling there."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_copier, args=(child, nbytes, blob), daemon=True)
+    p.start()
+    src, dst, times = faulted(nbytes), faulted(nbytes), []
+    assert parent.recv() == "ready"
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        parent.send(True)
+        _copy_blobs(src, dst, blob)
+        parent.recv()
+        times.append(time.perf_counter() - t0)
+    parent.send(False)
+    p.join(10)
+    return nbytes / statistics.median(times[1:]) / 1e9
 
 
 def _sock_receiver(port_conn, nbytes: int, reps: int) -> None:
@@ -244,6 +281,10 @@ def bench_seq(seq: int, names: list[str], reps: int, relay: str | None, out: Cal
                 continue
             row.update(limit=LIMITS.get(name, "?"), limit_gbps=round(lim, 3) if lim else None,
                        ratio=round(row["gbps"] / lim, 3) if lim else None)
+            if name == "shm":
+                ceiling = two_copy_gbps(blob_bytes(seq) * 2 * LAYERS, blob_bytes(seq), reps)
+                row.update(ceiling="two-copies", ceiling_gbps=round(ceiling, 3),
+                           ratio_to_ceiling=round(row["gbps"] / ceiling, 3))
             out(row)
             if lim and name != "nixl-ucx":
                 limits.append((LIMITS[name], lim))
@@ -267,7 +308,7 @@ def _nixl_importable() -> bool:
 
 
 HEAD = (f"{'transport':14} {'S':>5} {'in_flight':>9} {'MB':>7} {'ms':>9} {'ms/req':>8} {'GB/s':>7} "
-        f"{'limit':>10} {'lim GB/s':>8} {'ratio':>6}")
+        f"{'limit':>10} {'lim GB/s':>8} {'ratio':>6} {'/ceiling':>8}")
 
 
 def emit(row: dict, as_json: bool) -> None:
@@ -277,9 +318,10 @@ def emit(row: dict, as_json: bool) -> None:
         return
     lim = f"{row['limit_gbps']:.2f}" if row.get("limit_gbps") else "-"
     ratio = f"{row['ratio']:.2f}" if row.get("ratio") else "-"
+    ceiling = f"{row['ratio_to_ceiling']:.2f}" if row.get("ratio_to_ceiling") else "-"
     print(f"{row['transport']:14} {row['seq']:>5} {row['in_flight']:>9} {row['bytes'] / 1e6:>7.1f} "
           f"{row['ms']:>9.1f} {row['ms_per_request']:>8.1f} {row['gbps']:>7.2f} {row['limit']:>10} "
-          f"{lim:>8} {ratio:>6}", flush=True)
+          f"{lim:>8} {ratio:>6} {ceiling:>8}", flush=True)
 
 
 def available_bytes() -> int:

@@ -24,4 +24,5 @@ def test_quick_json_rows():
     assert {("shm", 1), ("shm", 8), ("tcp", 1), ("tcp", 8), ("limit:memcpy", 1), ("limit:socket", 1)} <= got
     shm1 = next(r for r in rows if r["transport"] == "shm" and r["in_flight"] == 1)
     assert shm1["bytes"] == 64 << 20 and shm1["limit"] == "memcpy" and shm1["ratio"] > 0
+    assert shm1["ceiling"] == "two-copies" and shm1["ceiling_gbps"] > 0 and shm1["ratio_to_ceiling"] > 0
     assert "round 1/1" in run.stderr  # progress goes to stderr

@@ -52,6 +52,17 @@ def faulted(nbytes: int) -> np.ndarray:
     return a
 
 
+def from_child(conn, proc, timeout: float = 300.0):
+    """The child's next message; raises instead of hanging when the child died or went silent."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"benchmark child {proc.name} exited with {proc.exitcode} (see its stderr)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark child {proc.name} sent nothing for {timeout:g} s")
+    return conn.recv()
+
+
 # ------------------------------------------------------------------------------------------ limits
 def memcpy_gbps(nbytes: int, reps: int) -> float:
     src, dst = faulted(nbytes), faulted(nbytes)
@@ -86,12 +97,12 @@ def two_copy_gbps(nbytes: int, blob: int, reps: int) -> float:
     p = ctx.Process(target=_copier, args=(child, nbytes, blob), daemon=True)
     p.start()
     src, dst, times = faulted(nbytes), faulted(nbytes), []
-    assert parent.recv() == "ready"
+    assert from_child(parent, p) == "ready"
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         parent.send(True)
         _copy_blobs(src, dst, blob)
-        parent.recv()
+        from_child(parent, p)
         times.append(time.perf_counter() - t0)
     parent.send(False)
     p.join(10)
@@ -119,7 +130,7 @@ def socket_gbps(nbytes: int, reps: int) -> float:
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_sock_receiver, args=(child, nbytes, reps), daemon=True)
     p.start()
-    sock = socket.create_connection(("127.0.0.1", parent.recv()))
+    sock = socket.create_connection(("127.0.0.1", from_child(parent, p)))
     tune_socket(sock)
     src, ack, times = faulted(nbytes), bytearray(1), []
     for _ in range(reps):
@@ -179,7 +190,7 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
     t = load_transport(name, **options)
     outs = [faulted(blob * blobs).reshape(blobs, blob) for _ in range(in_flight)]
     expect = np.random.default_rng(1).integers(0, 256, blob * blobs, np.uint8).reshape(blobs, blob)
-    assert parent.recv() == "ready"
+    assert from_child(parent, proc) == "ready"
     times, push_times = [], []
     try:
         for rep in range(reps + 1):  # round 0 warms pools and connections, not timed
@@ -193,7 +204,7 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
             for th in pulls:
                 th.join()
             dt = time.perf_counter() - t0
-            push_s = parent.recv()
+            push_s = from_child(parent, proc)
             for r, k in enumerate(keys):
                 if not (np.array_equal(outs[r][0], expect[0]) and np.array_equal(outs[r][-1], expect[-1])):
                     raise SystemExit(f"{name}: bytes differ in request {k}")
@@ -205,10 +216,12 @@ def run_transport(name: str, options: dict, seq: int, in_flight: int, reps: int)
                 push_times.append(push_s)
                 progress(f"{name} S={seq} x{in_flight} round {rep}/{reps}: {dt * 1e3:.1f} ms")
     finally:
-        parent.send(None)
-        with contextlib.suppress(EOFError):
-            parent.recv()
+        with contextlib.suppress(OSError, EOFError, RuntimeError):  # the child may be gone already
+            parent.send(None)
+            from_child(parent, proc, 30.0)
         proc.join(30)
+        if proc.is_alive():
+            proc.kill()
         t.close()
     ms = statistics.median(times) * 1e3
     nbytes = blob * blobs * in_flight

@@ -296,3 +296,22 @@ def test_read_ahead_with_other_sizes_and_expiry(relay, monkeypatch):
         time.sleep(0.5)  # the relay answers the parked GET for blob 1 with "timeout"
         assert t.pull("rs", 1, out, 5.0) == 100
         t.release("rs")
+
+
+def test_relay_buffer_pool_follows_the_blob_size():
+    """A pool full of 1 MiB buffers gives them up for 4 MiB ones (else every 4 MiB blob faults in
+    fresh pages), and never holds more than its cap."""
+    from rngd_pd.kv.relay import RelayConfig, Store
+
+    store = Store(RelayConfig(pool_bytes=8 << 20))
+    small = [store.reserve(1 << 20) for _ in range(8)]
+    for buf in small:
+        store.unreserve(buf)
+    assert store.pooled == 8 << 20 and len(store.pool[1 << 20]) == 8
+    big = store.reserve(4 << 20)
+    store.unreserve(big)
+    assert store.pool[4 << 20] == [big] and len(store.pool[1 << 20]) == 4
+    assert store.pooled == 8 << 20
+    assert store.reserve(4 << 20) is big  # the next 4 MiB blob reuses its pages
+    store.unreserve(store.reserve(16 << 20))  # larger than the whole pool: not kept
+    assert store.pooled == 4 << 20 and store.used == 4 << 20

@@ -133,6 +133,29 @@ def test_slots_are_reused_after_release(root):
         assert t.held_bytes()[0] == 0 and linked_bytes(root) == 0
 
 
+def test_idle_slots_of_another_size_make_room_for_the_size_in_use(root):
+    """With the idle pool full of small slots, larger blobs still get reused slots (a pool that kept
+    only the old size would create, fault and destroy a slot file per blob)."""
+    small, big = 65536, 4 * 65536
+    trailer = shm.TRAILER.size
+    with ShmTransport(root=root, pool_mb=1) as t:  # 1 MiB of idle slots
+        for i in range(16):
+            t.push("small", i, bytes(small))
+        t.release("small")
+        t.held_bytes()  # reclaims released slots into the idle pool
+        pool = t._pool
+        assert len(pool.idle[small + trailer]) >= 8
+        counts = []
+        for rep in range(4):
+            for i in range(3):
+                t.push(f"big{rep}", i, bytes(big))
+            t.release(f"big{rep}")
+            t.held_bytes()
+            counts.append(pool.count)
+        assert counts[1:] == counts[:1] * 3, f"big blobs kept getting fresh slot files: {counts}"
+        assert pool.idle_bytes <= 1 << 20
+
+
 def test_trailer_checksum_catches_a_flipped_byte(root):
     with ShmTransport(root=root) as t:
         t.push("k", 0, b"\x01" * 1000)

@@ -73,9 +73,15 @@ class SlotPool:
         self.busy.extendleft(reversed(keep))
 
     def _to_idle(self, slot: Slot) -> None:
-        if self.idle_bytes + slot.size > self.max_idle:
-            self._destroy(slot)
-            return
+        """Keep a freed slot for the next blob of its size; idle slots of other sizes make room first
+        (oldest size first), so the pool follows the workload instead of pinning yesterday's sizes."""
+        while self.idle_bytes + slot.size > self.max_idle:
+            other = next((s for s, slots in self.idle.items() if s != slot.size and slots), None)
+            if other is None:
+                self._destroy(slot)
+                return
+            self._destroy(self.idle[other].pop())
+            self.idle_bytes -= other
         self.idle.setdefault(slot.size, []).append(slot)
         self.idle_bytes += slot.size
 

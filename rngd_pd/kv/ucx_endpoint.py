@@ -25,6 +25,7 @@ log = logging.getLogger("rngd_pd.kv.nixl_ucx")
 FREE_PREFIX = b"rngd-free:"  # READ notification: the pusher frees the slot named after the prefix
 NOTIF_POLL_S = 0.0005  # while slots wait to be read
 IDLE_POLL_S = 0.1
+EXPIRY_SCAN_S = 0.1  # unread slots expire after seconds: scanning them on every 0.5 ms poll only burns CPU
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Endpoint:
         self._remote_lock = threading.Lock()
         self.quarantined = 0  # bytes of slots a READ that could not be cancelled may still write
         self._tokens = itertools.count(1)
+        self._next_expiry_scan = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="nixl-ucx-notifs", daemon=True)
@@ -132,6 +134,9 @@ class Endpoint:
                 if msg.startswith(FREE_PREFIX):
                     self.free_token(msg[len(FREE_PREFIX):].decode())
         now = time.monotonic()
+        if now < self._next_expiry_scan:
+            return
+        self._next_expiry_scan = now + EXPIRY_SCAN_S
         with self.lock:
             expired = [t for t, s in self.slots.items() if s.expires <= now]
         for token in expired:

@@ -78,6 +78,12 @@ class _Ops:
         parked = self.transports[t].relay._ahead.get(key)
         return parked[1] if parked else None
 
+    def idle_cpu(self, seconds: float) -> float:
+        """CPU seconds this process burns while its Python threads sleep (NIXL's threads alone)."""
+        t0 = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - t0
+
     def arena_used(self, t: str) -> int:
         return self.transports[t].ep.allocator.used
 
@@ -246,6 +252,10 @@ def test_bad_settings_fail_before_any_nixl_agent_exists(monkeypatch):
     monkeypatch.setenv("AIRM_KV_UCX_READ_AHEAD", "lots")
     with pytest.raises(TransportError, match=r"AIRM_KV_UCX_READ_AHEAD.*'lots'"):
         NixlUcxTransport("127.0.0.1:1")
+    monkeypatch.delenv("AIRM_KV_UCX_READ_AHEAD")
+    monkeypatch.setenv("AIRM_KV_UCX_PROGRESS_US", "soon")
+    with pytest.raises(TransportError, match=r"AIRM_KV_UCX_PROGRESS_US.*'soon'"):
+        NixlUcxTransport("127.0.0.1:1")
     from rngd_pd.kv import ucx_endpoint
 
     assert ucx_endpoint.current() is None  # nothing above got as far as creating an agent
@@ -411,3 +421,18 @@ def test_conformance_suite_passes_for_nixl_ucx(ucx_info, monkeypatch):
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("PASS") == 15 and "FAIL" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.nixl
+def test_progress_thread_sleeps_between_events(peers, relay):
+    """NIXL's Python agent makes its UCX progress thread spin on a whole core; ours waits for events
+    (AIRM_KV_UCX_PROGRESS_US, default 1000), and 0 restores the spinning."""
+    a, _ = peers
+    assert a("idle_cpu", 1.0) < 0.3
+    spinning = Peer({"AIRM_KV_UCX_PROGRESS_US": "0"})
+    try:
+        spinning("open", "main", addr=relay.addr, pool_mb=8)
+        assert spinning("idle_cpu", 1.0) > 0.5
+    finally:
+        spinning.close()
+

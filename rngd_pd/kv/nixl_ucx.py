@@ -43,7 +43,7 @@ from rngd_pd.kv import ucx_endpoint
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
 from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.tcp import RelayClient, crc_from_env
-from rngd_pd.kv.ucx import apply_ucx_env, wait_xfer
+from rngd_pd.kv.ucx import apply_ucx_env, progress_delay_us, wait_xfer
 from rngd_pd.kv.ucx_endpoint import FREE_PREFIX
 from rngd_pd.kv.ucx_publish import Publisher
 
@@ -53,6 +53,10 @@ DESCRIPTOR_VERSION = 1
 DESCRIPTOR_MAX_BYTES = 64 << 10
 DESCRIPTOR_FIELDS = ("agent", "md", "addr", "len", "alg", "crc", "token")
 READ_GRACE_S = 5.0  # a READ whose descriptor arrived at the end of the timeout still gets this long
+# Descriptors are read ahead one GET at a time on the relay connection, so when a pull had to fetch
+# its own descriptor (the first blob, or after a gap) the next answers are just being sent: the
+# read-ahead waits this long for them, while this pull's READ is in flight, instead of skipping them.
+CHAIN_START_WAIT_S = 0.002
 
 
 @dataclass
@@ -101,6 +105,7 @@ class NixlUcxTransport(Closing):
         self.alg = crc_from_env() if crc is True else (crc or None)
         self.log_blobs = _env_flag("AIRM_KV_UCX_LOG") if log_blobs is None else log_blobs
         self.capacity_wait_s = capacity_wait_s
+        progress_delay_us()  # a bad setting fails here, before the relay or NIXL is touched
         self.relay = RelayClient(addr, secret)  # first: a missing relay address fails before NIXL starts
         apply_ucx_env(ucx_env)  # effective only if this process has no agent yet
         self.ep = ucx_endpoint.endpoint(pool_mb << 20)
@@ -155,6 +160,7 @@ class NixlUcxTransport(Closing):
         view = as_writable_bytes(out)
         with self._ahead_lock:
             rd = self._ahead.pop((key, index), None)
+        started = rd is None  # the descriptor chain starts here: its next answers are just on their way
         if rd is None:
             desc = self._descriptor(key, index, timeout)
             self._check_fits(desc["len"], view, key, index)
@@ -162,7 +168,7 @@ class NixlUcxTransport(Closing):
                 return 0
             rd = self._post(key, index, desc, self.capacity_wait_s)
         if self.read_ahead:
-            self._prefetch(key, index)
+            self._prefetch(key, index, CHAIN_START_WAIT_S if started else 0.0)
         return self._finish(rd, key, index, view, max(deadline, time.monotonic() + READ_GRACE_S))
 
     def _descriptor(self, key: str, index: int, timeout: float) -> dict[str, Any]:
@@ -238,15 +244,17 @@ class NixlUcxTransport(Closing):
             self.ep.unreserve(rd.offset, n)
         return n
 
-    def _prefetch(self, key: str, index: int) -> None:
-        """Post READs for the next blobs of `key` whose descriptors are already in the relay."""
+    def _prefetch(self, key: str, index: int, wait_s: float) -> None:
+        """Post READs for the next blobs of `key` whose descriptors are in the relay. `wait_s` bounds
+        the wait for descriptor answers still in flight (our own READ is in flight meanwhile)."""
         self._sweep_ahead()
+        deadline = time.monotonic() + wait_s
         for j in range(index + 1, index + 1 + self.read_ahead):
             with self._ahead_lock:
                 if (key, j) in self._ahead:
                     continue
             try:
-                desc = self._descriptor(key, j, 0.0)
+                desc = self._descriptor(key, j, max(0.0, deadline - time.monotonic()))
                 if desc["len"] == 0:
                     return
                 rd = self._post(key, j, desc, 0.0)

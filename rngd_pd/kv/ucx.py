@@ -45,6 +45,48 @@ _SHARED_MEMORY_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem")
 
 _agent_lock = threading.Lock()
 _agent: Any = None
+_patch_lock = threading.Lock()
+
+# The progress thread of NIXL's UCX backend waits for UCX events with poll(timeout = this, rounded up
+# to ms). nixl_agent() hard-codes 0, and then that thread spins on a whole core in every process;
+# on a 2-core host that halved the transfer rate. UCX events wake it at once either way.
+PROGRESS_US_ENV = "AIRM_KV_UCX_PROGRESS_US"
+PROGRESS_US_DEFAULT = 1000
+
+
+def progress_delay_us() -> int:
+    """The progress thread's poll timeout in microseconds ($AIRM_KV_UCX_PROGRESS_US, 0 = spin)."""
+    raw = os.environ.get(PROGRESS_US_ENV, str(PROGRESS_US_DEFAULT))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise TransportError(f"{PROGRESS_US_ENV} must be an int >= 0 (microseconds), got {raw!r}")
+    return value
+
+
+def _new_agent(api: Any, name: str, conf: Any, delay_us: int) -> Any:
+    """nixl_agent(name, conf) with the progress thread's poll timeout set to `delay_us`.
+
+    nixl_agent() gives its native config no way in, so the native constructor is wrapped for the
+    duration of the call (under a lock); a NIXL without that seam gets its own default.
+    """
+    bind = getattr(api, "nixlBind", None)
+    native = getattr(bind, "nixlAgent", None)
+    if not delay_us or native is None:
+        return api.nixl_agent(name, conf)
+
+    def with_delay(agent_name: str, config: Any) -> Any:
+        config.pthrDelay = delay_us
+        return native(agent_name, config)
+
+    with _patch_lock:
+        bind.nixlAgent = with_delay
+        try:
+            return api.nixl_agent(name, conf)
+        finally:
+            bind.nixlAgent = native
 
 
 def apply_ucx_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -90,7 +132,7 @@ def create_agent(name: str | None = None, env: Mapping[str, str] | None = None) 
         backends=[], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     )
     name = name or f"rngd-kv-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    agent = api.nixl_agent(name, conf)
+    agent = _new_agent(api, name, conf, progress_delay_us())
     if "UCX" not in agent.get_plugin_list():
         plugins = agent.get_plugin_list()
         raise TransportError(f"NIXL has no UCX plugin here (plugins: {plugins}); {INSTALL_HINT}")
@@ -315,6 +357,7 @@ def describe() -> dict[str, Any]:
     info["plugins available"] = agent.get_plugin_list()
     info["UCX plugin params"] = agent.get_plugin_params("UCX")
     info["UCX memory types"] = agent.get_backend_mem_types("UCX")
+    info[f"progress thread poll timeout us ({PROGRESS_US_ENV})"] = progress_delay_us()
     info["arena MiB (AIRM_KV_UCX_POOL_MB)"] = int(os.environ.get("AIRM_KV_UCX_POOL_MB", "1024"))
     info["infiniband devices"] = sorted(os.listdir("/sys/class/infiniband")) \
         if os.path.isdir("/sys/class/infiniband") else []

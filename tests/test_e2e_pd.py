@@ -170,6 +170,36 @@ def test_client_cancel_frees_the_decode_slot_and_the_kv(server, env) -> None:
     assert E.ids_of(responses) == list(E.reference(text)[0])
 
 
+def _pd_stub_threads() -> int:
+    """Threads of the pd model's Python stub process (this test's server is the only one running pd)."""
+    counts = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            cmdline = (status.parent / "cmdline").read_bytes()
+            if b"triton_python_backend_stub" in cmdline and b"/pd/1/model.py" in cmdline:
+                counts.append(int(next(ln for ln in status.read_text().splitlines()
+                                       if ln.startswith("Threads:")).split()[1]))
+        except (OSError, StopIteration):
+            continue
+    assert len(counts) == 1, f"expected one pd stub, found {len(counts)}"
+    return counts[0]
+
+
+def test_cancelled_requests_leave_no_thread_behind_in_pd(server) -> None:
+    """Regression: decode ended a cancelled request with an error response, which Triton 2.51 never
+    delivered to pd's BLS stream, so pd's thread waiting on it stayed parked: one per cancel."""
+    ids = E.prompt_ids(E.PROMPTS[1])
+    E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=2), PD_OUT)
+    before = _pd_stub_threads()
+    for _ in range(4):
+        got = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=400), PD_OUT, cancel_after=2)
+        assert len(got) == 2
+    deadline = time.monotonic() + 10
+    while _pd_stub_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pd_stub_threads() <= before
+
+
 def test_corrupted_blob_fails_that_request_naming_the_transport(server, env) -> None:
     import tritonclient.grpc as grpcclient
 

@@ -112,6 +112,15 @@ def test_client_cancel_stops_and_tells_decode() -> None:
     assert len(models.aborted) == 1 and [c.token_ids for c in chunks] == [[7], [8]]
 
 
+def test_decode_ending_a_request_as_cancelled_is_a_cancellation() -> None:
+    """decode ends a cancelled request with finish_reason "cancelled" (not an error response)."""
+    chunks: list[Chunk] = []
+    with pytest.raises(errors.RequestCancelled, match="decode cancelled"):
+        Orchestrator(*[FakeModels(tokens=(8,), reason="cancelled")] * 2).run(
+            [1], SamplingParams(), True, chunks.append)
+    assert [c.token_ids for c in chunks] == [[7]]
+
+
 def test_empty_prompt_and_bad_params_fail_before_any_call() -> None:
     models = FakeModels()
     with pytest.raises(errors.ConfigError):

@@ -184,8 +184,23 @@ class DecodeModel:
             params = inputs.sampling_params(getter(request))
             self.service.start(key, int(prompt_len), params, self._emitter(sender))
         except Exception as exc:
-            pbutils.send_error(sender, exc)
+            self._fail(sender, exc)
         self._in_flight.set(self.service.in_flight())
+
+    @staticmethod
+    def _fail(sender: Any, exc: BaseException) -> None:
+        """End a request that failed. A cancelled one ends with a plain final response, finish_reason
+        "cancelled", not an error: after a client cancelled pd's request, Triton 2.51 never delivered
+        decode's final *error* response to pd's BLS stream (a plain one arrives), and pd's thread
+        waiting on that stream stayed parked for good, one per cancelled request."""
+        from rngd_pd.triton import pbutils
+        from rngd_pd.triton import tensors as T
+
+        if isinstance(exc, errors.RequestCancelled):
+            response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"})
+            pbutils.send(sender, response, final=True)
+        else:
+            pbutils.send_error(sender, exc)
 
     def _emitter(self, sender: Any) -> Emit:
         from rngd_pd.triton import pbutils
@@ -193,7 +208,7 @@ class DecodeModel:
 
         def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
             if error is not None:
-                pbutils.send_error(sender, error)
+                self._fail(sender, error)
             else:
                 response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: ids, T.FINISH_REASON: reason})
                 pbutils.send(sender, response, final=bool(reason))

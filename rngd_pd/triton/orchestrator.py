@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 CONTEXT = 8  # ids of left context a stateless detokenizer needs (a UTF-8 char spans <= 4 tokens)
 POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel flag
 # The most the failed or cancelled request waits for decode's stream to end after pd told decode to
-# drop it. Decode frees the slot at once, but after a client cancellation (Triton 2.51) the stream's
-# last response may never reach pd: its pump thread then stays parked, and the request must not.
+# drop it (decode ends it at once, with finish_reason "cancelled"; a decode that does not answer must
+# not hold the request).
 JOIN_S = 2.0
 
 
@@ -175,8 +175,10 @@ class Orchestrator:
             ids = [int(i) for i in value.get(T.OUTPUT_IDS, np.zeros(0, np.int32)).reshape(-1)]
             reasons = value.get(T.FINISH_REASON)
             reason = bytes_scalar(reasons.reshape(-1)[0]) if reasons is not None and reasons.size else ""
-            if reason in ("cancelled", "error"):
-                raise errors.RngdPdError(f"decode ended the request: {reason}", key=key)
+            if reason == "cancelled":
+                raise errors.RequestCancelled("decode cancelled the request", key=key)
+            if reason == "error":
+                raise errors.RngdPdError("decode ended the request: error", key=key)
             out.add(ids, reason)
             if reason:
                 stats.finish_reason = reason

@@ -16,7 +16,8 @@ class RngdPdError(Exception):
 
     def __str__(self) -> str:
         msg = super().__str__()
-        return f"[request {self.key}] {msg}" if self.key else msg
+        prefix = f"[request {self.key}] "
+        return msg if not self.key or msg.startswith(prefix) else prefix + msg  # once, after a hop too
 
 
 class ConfigError(RngdPdError, ValueError):

@@ -266,8 +266,8 @@ def test_metrics_show_the_airm_families_after_traffic(server) -> None:
 
 def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[str, str]) -> None:
     """Regressions: a cancelled request kept pd busy for 30 s (its decode stream's last response never
-    came back), and finished BLS streams still held at pd's exit hung its unload; either way pd
-    outlived the server's exit timeout."""
+    came back), finished BLS streams still held at pd's exit hung its unload, and an llm request that
+    failed after pd had streamed a token stayed in flight; each outlived the server's exit timeout."""
     from rngd_pd.triton.server import ServerConfig, TritonServer
 
     log = tmp_path / "tritonserver.log"
@@ -276,6 +276,8 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
         s.wait_ready(600)
         for text in E.PROMPTS[:3]:
             E.stream_infer(s.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), PD_OUT)
+        with pytest.raises(RuntimeError, match="ContextLengthError"):  # it once left llm "in flight"
+            E.stream_infer(s.grpc_url, "llm", E.llm_inputs("hello " * 1000, max_tokens=1500), LLM_OUT)
         ids = E.prompt_ids(E.PROMPTS[1])
         got = E.stream_infer(s.grpc_url, "pd", E.pd_inputs(ids, max_tokens=1500), PD_OUT, cancel_after=3)
         assert len(got) == 3

@@ -7,6 +7,7 @@ are exercised by the e2e tests. Also: error types survive a hop, and streamed te
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -101,6 +102,36 @@ def test_decode_failure_fails_the_request_after_the_first_token() -> None:
     assert [c.token_ids for c in chunks] == [[7]] and len(models.aborted) == 1
 
 
+def test_a_request_decode_already_refused_fails_without_a_first_token() -> None:
+    """decode rejects at once (context limit) while prefill still runs: no token goes out before the
+    error (inside the llm ensemble a token in flight in postprocess next to pd's error left the
+    ensemble request open)."""
+
+    class RefusingDecode(FakeModels):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refused = threading.Event()
+
+        def infer(self, model, inputs, outputs):
+            self.refused.wait(5)
+            time.sleep(0.05)  # the pump has queued decode's error by now
+            return super().infer(model, inputs, outputs)
+
+        def stream(self, model, inputs, outputs):
+            if T.CANCEL in inputs:
+                yield from super().stream(model, inputs, outputs)
+                return
+            self.refused.set()
+            raise errors.ContextLengthError("prompt of 3 tokens + max_tokens 9000 exceeds 2048")
+            yield  # a generator, like the real stream
+
+    models = RefusingDecode()
+    chunks: list[Chunk] = []
+    with pytest.raises(errors.ContextLengthError):
+        Orchestrator(models, models).run([1, 2, 3], SamplingParams(), True, chunks.append)
+    assert chunks == [] and len(models.aborted) == 1
+
+
 def test_client_cancel_stops_and_tells_decode() -> None:
     hold = threading.Event()
     models = FakeModels(tokens=(8, 9, 10, 11), hold=hold)
@@ -133,6 +164,8 @@ def test_empty_prompt_and_bad_params_fail_before_any_call() -> None:
 def test_error_types_survive_a_hop_through_triton() -> None:
     err = remote_error("TransportTimeoutError: [request k1] KV transport 'tcp': blob 3 did not arrive")
     assert isinstance(err, errors.TransportTimeoutError) and "tcp" in str(err)
+    err.key = "k1"  # pd names the request again: the text still says it once
+    assert str(err).count("[request k1]") == 1
     assert isinstance(remote_error("in ensemble 'llm', ConfigError: bad"), errors.RngdPdError)
     assert type(remote_error("something else")) is errors.RngdPdError
 

@@ -88,6 +88,16 @@ def context_len(stop: tuple[str, ...] | list[str]) -> int:
     return CONTEXT + 4 * max((len(s) for s in stop), default=0)
 
 
+def _drain(responses: queue.SimpleQueue) -> list:
+    """What decode has already sent, without waiting."""
+    items = []
+    while True:
+        try:
+            items.append(responses.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class ChunkEmitter:
     """Streams chunks one by one, or (stream=False) collects everything into one final chunk."""
 
@@ -126,9 +136,13 @@ class Orchestrator:
         out = ChunkEmitter(stream, emit, context_len(params.stop))
         try:
             first = self._prefill(stats.key, input_ids, params)
+            ready = _drain(responses)
+            for kind, value in ready:
+                if kind == "err":  # decode refused the request already (say, over the context limit):
+                    raise value  # fail without a first token, as if pd had checked it itself
             stats.first_token_at = time.monotonic()
             out.add([first])
-            self._follow(stats.key, responses, out, cancelled, stats)
+            self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
             self.abort(stats.key)
             pump.join(JOIN_S)
@@ -159,15 +173,19 @@ class Orchestrator:
             responses.put(("err", exc))
 
     def _follow(self, key: str, responses: queue.SimpleQueue, out: ChunkEmitter,
-                cancelled: Callable[[], bool], stats: RunStats) -> None:
-        """Forward decode's tokens until its finish reason; check for client cancellation meanwhile."""
+                cancelled: Callable[[], bool], stats: RunStats, ready: list) -> None:
+        """Forward decode's tokens (`ready` ones first) until its finish reason; check for client
+        cancellation meanwhile."""
         while True:
             if cancelled():
                 raise errors.RequestCancelled("the client cancelled the request", key=key)
-            try:
-                kind, value = responses.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+            if ready:
+                kind, value = ready.pop(0)
+            else:
+                try:
+                    kind, value = responses.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
             if kind == "err":
                 raise value
             if kind == "end":

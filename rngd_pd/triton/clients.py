@@ -88,9 +88,11 @@ class BlsClient:
 
     @staticmethod
     def _outputs(response: Any) -> dict[str, np.ndarray]:
+        """The response's tensors as arrays of our own (copies of a few ids per response), so nothing
+        pd keeps for later references a tensor the stub owns (see the module docstring)."""
         if response.has_error():
             raise remote_error(response.error().message())
-        return {t.name(): t.as_numpy() for t in response.output_tensors()}
+        return {t.name(): np.array(t.as_numpy(), copy=True) for t in response.output_tensors()}
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray],
               outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

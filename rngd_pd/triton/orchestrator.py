@@ -98,6 +98,14 @@ def _drain(responses: queue.SimpleQueue) -> list:
             return items
 
 
+def _raise_refusal(ready: list) -> None:
+    """Raise decode's error if it is among `ready` (in a frame of its own: run() must not keep decode's
+    responses referenced after it is done with them)."""
+    for kind, value in ready:
+        if kind == "err":
+            raise value
+
+
 class ChunkEmitter:
     """Streams chunks one by one, or (stream=False) collects everything into one final chunk."""
 
@@ -137,9 +145,7 @@ class Orchestrator:
         try:
             first = self._prefill(stats.key, input_ids, params)
             ready = _drain(responses)
-            for kind, value in ready:
-                if kind == "err":  # decode refused the request already (say, over the context limit):
-                    raise value  # fail without a first token, as if pd had checked it itself
+            _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
             stats.first_token_at = time.monotonic()
             out.add([first])
             self._follow(stats.key, responses, out, cancelled, stats, ready)

@@ -1,4 +1,5 @@
-"""Zero-copy byte views of tensors and arrays, and the checksum functions both sides share.
+"""Zero-copy byte views of tensors and arrays, the checksum functions both sides share, and the
+eviction rule of the size-keyed pools of reusable buffers (relay buffers, shm slots).
 
 Transports work on flat byte `memoryview`s. These helpers turn whatever the engine holds (a torch CPU
 tensor of any dtype including bf16, a numpy array, bytes) into such a view without copying, and
@@ -8,7 +9,7 @@ refuse what cannot be viewed that way (non-contiguous, on a device, read-only wh
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import crc32c as _crc32c
@@ -65,3 +66,20 @@ def as_writable_bytes(out: Any) -> memoryview:
     if mv.readonly:
         raise TransportError(f"output buffer ({type(out).__name__}) is read-only; pass a writable one")
     return mv
+
+
+def make_room(pool: MutableMapping[int, list], size: int, held: int, cap: int,
+              drop: Callable[[Any], None] = lambda item: None) -> tuple[int, bool]:
+    """Room for one more item of `size` bytes in a pool of idle items keyed by size, capped at `cap`
+    bytes in all: items of other sizes are given up (`drop`), oldest size first, so the pool follows
+    the sizes in use instead of pinning old ones (which made every new-size buffer fault fresh pages).
+    Returns the bytes still held and whether the item fits."""
+    if size > cap:
+        return held, False
+    while held + size > cap:
+        other = next((s for s, items in pool.items() if s != size and items), None)
+        if other is None:
+            return held, False  # full of items of this very size already
+        drop(pool[other].pop())
+        held -= other
+    return held, True

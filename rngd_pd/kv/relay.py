@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from rngd_pd.kv import wire
+from rngd_pd.kv.buffers import make_room
 
 log = logging.getLogger("rngd_pd.kv.relay")
 IO_TIMEOUT_S = 60.0  # a client that stalls mid-payload is dropped after this
@@ -90,21 +91,14 @@ class Store:
             self._unreserve(buf)
 
     def _unreserve(self, buf: bytearray) -> None:
-        """Keep a freed buffer for the next blob of its size; a pool full of buffers of other sizes
-        gives them up (oldest size first), so it follows the workload: one that kept only 1 MiB
-        buffers made every 4 MiB blob fault fresh pages in, ~2x slower at S=2048."""
+        """Keep a freed buffer for the next blob of its size (see buffers.make_room: a pool that kept
+        only 1 MiB buffers made every 4 MiB blob fault fresh pages in, ~2x slower at S=2048)."""
         size = len(buf)
         self.used -= size
-        if size > self.cfg.pool_bytes:
-            return
-        while self.pooled + size > self.cfg.pool_bytes:
-            other = next((s for s, bufs in self.pool.items() if s != size and bufs), None)
-            if other is None:
-                return  # full of buffers of this very size already
-            self.pool[other].pop()
-            self.pooled -= other
-        self.pool[size].append(buf)
-        self.pooled += size
+        self.pooled, fits = make_room(self.pool, size, self.pooled, self.cfg.pool_bytes)
+        if fits:
+            self.pool[size].append(buf)
+            self.pooled += size
 
     def _drop(self, blob: Blob) -> None:
         blob.dead = True

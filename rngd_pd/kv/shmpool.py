@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from rngd_pd.errors import TransportCapacityError, TransportError
+from rngd_pd.kv.buffers import make_room
 
 MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
 FULL_SCAN_EVERY_S = 0.05
@@ -74,14 +75,11 @@ class SlotPool:
 
     def _to_idle(self, slot: Slot) -> None:
         """Keep a freed slot for the next blob of its size; idle slots of other sizes make room first
-        (oldest size first), so the pool follows the workload instead of pinning yesterday's sizes."""
-        while self.idle_bytes + slot.size > self.max_idle:
-            other = next((s for s, slots in self.idle.items() if s != slot.size and slots), None)
-            if other is None:
-                self._destroy(slot)
-                return
-            self._destroy(self.idle[other].pop())
-            self.idle_bytes -= other
+        (buffers.make_room), so the pool follows the workload instead of pinning yesterday's sizes."""
+        self.idle_bytes, fits = make_room(self.idle, slot.size, self.idle_bytes, self.max_idle, self._destroy)
+        if not fits:
+            self._destroy(slot)
+            return
         self.idle.setdefault(slot.size, []).append(slot)
         self.idle_bytes += slot.size
 

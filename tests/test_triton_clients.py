@@ -14,12 +14,17 @@ class _Iterator:  # stands in for the stub's ResponseIterator: we only care when
     pass
 
 
-def test_a_retired_iterator_lives_until_a_fence_that_started_after_it() -> None:
-    retired = RetiredIterators()
+def _retire_one(retired: RetiredIterators) -> weakref.ref:
+    """Retire an iterator nobody else holds; the weak reference tells when its last reference went."""
     it = _Iterator()
     ref = weakref.ref(it)
     retired.retire(it)
-    del it
+    return ref
+
+
+def test_a_retired_iterator_lives_until_a_fence_that_started_after_it() -> None:
+    retired = RetiredIterators()
+    ref = _retire_one(retired)
     gc.collect()
     assert ref() is not None and len(retired) == 1
 
@@ -68,10 +73,7 @@ def test_drain_waits_for_the_newest_to_settle_then_drops_all() -> None:
     import time
 
     retired = RetiredIterators()
-    it = _Iterator()
-    ref = weakref.ref(it)
-    retired.retire(it)
-    del it
+    ref = _retire_one(retired)
     t0 = time.monotonic()
     retired.drain(settle_s=0.2)
     gc.collect()

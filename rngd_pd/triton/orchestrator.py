@@ -99,8 +99,8 @@ def _drain(responses: queue.SimpleQueue) -> list:
 
 
 def _raise_refusal(ready: list) -> None:
-    """Raise decode's error if it is among `ready` (in a frame of its own: run() must not keep decode's
-    responses referenced after it is done with them)."""
+    """Raise decode's error if it is among `ready` (in a frame of its own, a precaution: run() then
+    keeps no loop variable referencing decode's responses while the request goes on)."""
     for kind, value in ready:
         if kind == "err":
             raise value

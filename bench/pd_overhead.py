@@ -159,14 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args(argv)
 
-    import torch
-
+    from rngd_pd.devices.cpu_features import choose_compute_dtype
     from rngd_pd.model import load_model
     from rngd_pd.triton.params import ENV_DTYPE
 
-    # the bare engine computes in the dtype the served models use (bf16 unless RNGD_PD_DTYPE says fp32)
-    fp32 = os.environ.get(ENV_DTYPE, "bf16").strip().lower() == "fp32"
-    loaded = load_model(None, dtype=torch.float32 if fp32 else torch.bfloat16, progress=False)
+    # the bare engine computes in the dtype the served models use: $RNGD_PD_DTYPE, else auto resolved
+    # the way the models resolve it (bf16 where this CPU has native bf16, else fp32)
+    choice = choose_compute_dtype(os.environ.get(ENV_DTYPE) or None, source=f"${ENV_DTYPE}")
+    print(f"compute dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    loaded = load_model(None, dtype=choice.torch_dtype, progress=False)
     ids = (loaded.tokenizer.encode("The history of the printing press. " * 64) * 8)[: args.prompt_len]
     bare = {"transport": "-", "layout": "bare engine",
             **bare_engine(loaded, ids, args.max_tokens, args.requests)}

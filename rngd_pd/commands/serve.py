@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV transport name (airm.kv_transports); default $AIRM_KV_TRANSPORT or the config's")
     p.add_argument("--kv-dtype", choices=params.KV_DTYPES, help="KV wire dtype (default: the config's, bf16)")
     p.add_argument("--dtype", choices=params.COMPUTE_DTYPES,
-                   help="compute dtype (default bf16; fp32 gives the transformers oracle's tokens exactly)")
+                   help="compute dtype (default auto: bf16 where the CPU/GPU has native bf16, e.g. "
+                        "AVX512-BF16/AMX, else fp32; `rngd-pd devices` shows the choice); bf16 or fp32 "
+                        "force one; fp32 gives the transformers oracle's tokens exactly")
     p.add_argument("--config-name",
                    help="tritonserver --model-config-name (default: chosen from the devices present)")
     p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to (default 127.0.0.1)")

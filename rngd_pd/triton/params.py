@@ -37,7 +37,7 @@ ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another t
 ENV_PARAM_PREFIX = "RNGD_PD_PARAM_"      # RNGD_PD_PARAM_<NAME>: override parameter <name> anywhere
 
 KV_DTYPES = ("bf16", "fp16", "fp32")
-COMPUTE_DTYPES = ("bf16", "fp32")
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # auto: rngd_pd.devices.cpu_features.choose_compute_dtype
 DEVICES = ("cpu", "cuda", "rngd", "atom")
 
 # Parameters Triton's Python backend reads itself; allowed in any model's config.
@@ -64,8 +64,9 @@ class ServingParams:
     model_path: str | None = param(None, env=ENV_MODEL, help="checkpoint dir or .gguf; empty = embedded")
     kv_transport: str = param("shm", env=ENV_KV_TRANSPORT, help="airm.kv_transports name")
     kv_dtype: str = param("bf16", env=ENV_KV_DTYPE, choices=KV_DTYPES, help="KV wire dtype")
-    dtype: str = param("bf16", env=ENV_DTYPE, choices=COMPUTE_DTYPES,
-                       help="compute dtype: bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")
+    dtype: str = param("auto", env=ENV_DTYPE, choices=COMPUTE_DTYPES,
+                       help="compute dtype: auto (bf16 where the CPU/GPU computes bf16 natively, else fp32), "
+                            "bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")
 
     def device_id_for(self, instance: int) -> int:
         """The device id of instance number `instance` (one id for all, or one per instance)."""

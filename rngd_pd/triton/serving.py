@@ -84,17 +84,27 @@ def check_device(params: ServingParams, args: Mapping[str, Any]) -> Any:
 def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
     """Check the device, set torch threads, load the checkpoint (embedded model when no path).
 
-    bf16 compute by default: 2.5-4x faster than fp32 on CPUs with AVX512-BF16 (docs/model.md).
+    Compute dtype `auto` (the default) is bf16 where the device computes bf16 natively (CPUs with
+    AVX512-BF16, AMX or Arm BF16: 2.5-4x faster than fp32, docs/model.md) and fp32 elsewhere (an AVX2
+    CPU emulates bf16, ~8x slower); bf16/fp32 force one. The choice and why go to the load log.
     """
+    import os
+
     import torch
 
+    from rngd_pd.devices.cpu_features import choose_compute_dtype
     from rngd_pd.model import load_model
+    from rngd_pd.triton.params import ENV_DTYPE
 
-    check_device(params, args)
+    device = check_device(params, args)
     if params.torch_threads > 0:
         torch.set_num_threads(params.torch_threads)
-    dtype = torch.bfloat16 if params.dtype == "bf16" else torch.float32
-    return load_model(params.model_path or None, dtype=dtype, progress=False)
+    from_env = os.environ.get(ENV_DTYPE, "") != ""
+    source = f"${ENV_DTYPE} (rngd-pd serve --dtype)" if from_env else "the dtype parameter"
+    choice = choose_compute_dtype(params.dtype, device=device.kind, source=source)
+    pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
+                "warn" if choice.warning else "info")
+    return load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
 
 
 def run_decoupled(request: Any, work: Callable[[Any, Any], None], name: str) -> threading.Thread:

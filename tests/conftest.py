@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-# Servers that tests start compute in fp32 (the served default is bf16 for speed): the references they
-# are compared with (ColocatedEngine in-process, transformers) are fp32, and greedy tokens must be equal.
+# Servers that tests start compute in fp32 (the served default `auto` is bf16 on CPUs with native bf16):
+# the references they are compared with (ColocatedEngine in-process, transformers) are fp32, and greedy
+# tokens must be equal.
 os.environ.setdefault("RNGD_PD_DTYPE", "fp32")
 
 

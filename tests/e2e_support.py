@@ -160,3 +160,25 @@ def assert_kv_bytes_match(log: Path) -> int:
     for key in complete:
         assert by_key[key]["prefill"] == by_key[key]["decode"], key
     return len(complete)
+
+
+def stub_pid(server_pid: int, model: str) -> int:
+    """The pid of `model`'s Python stub among the children of the tritonserver `server_pid`."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(ln.split(":\t", 1) for ln in status.read_text().splitlines() if ":\t" in ln)
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (int(fields.get("PPid", "0").strip()) == server_pid and b"triton_python_backend_stub" in cmdline
+                and f"/{model}/1/model.py".encode() in cmdline):
+            found.append(int(status.parent.name))
+    assert len(found) == 1, f"expected one {model} stub under tritonserver {server_pid}, found {found}"
+    return found[0]
+
+
+def thread_count(pid: int) -> int:
+    """Threads of process `pid` (from /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("Threads:")).split()[1])

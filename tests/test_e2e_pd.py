@@ -170,19 +170,8 @@ def test_client_cancel_frees_the_decode_slot_and_the_kv(server, env) -> None:
     assert E.ids_of(responses) == list(E.reference(text)[0])
 
 
-def _pd_stub_threads() -> int:
-    """Threads of the pd model's Python stub process (this test's server is the only one running pd)."""
-    counts = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            cmdline = (status.parent / "cmdline").read_bytes()
-            if b"triton_python_backend_stub" in cmdline and b"/pd/1/model.py" in cmdline:
-                counts.append(int(next(ln for ln in status.read_text().splitlines()
-                                       if ln.startswith("Threads:")).split()[1]))
-        except (OSError, StopIteration):
-            continue
-    assert len(counts) == 1, f"expected one pd stub, found {len(counts)}"
-    return counts[0]
+def _pd_stub_threads(server) -> int:
+    return E.thread_count(E.stub_pid(server.proc.pid, "pd"))
 
 
 def test_cancelled_requests_leave_no_thread_behind_in_pd(server) -> None:
@@ -190,14 +179,14 @@ def test_cancelled_requests_leave_no_thread_behind_in_pd(server) -> None:
     delivered to pd's BLS stream, so pd's thread waiting on it stayed parked: one per cancel."""
     ids = E.prompt_ids(E.PROMPTS[1])
     E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=2), PD_OUT)
-    before = _pd_stub_threads()
+    before = _pd_stub_threads(server)
     for _ in range(4):
         got = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=400), PD_OUT, cancel_after=2)
         assert len(got) == 2
     deadline = time.monotonic() + 10
-    while _pd_stub_threads() > before and time.monotonic() < deadline:
+    while _pd_stub_threads(server) > before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _pd_stub_threads() <= before
+    assert _pd_stub_threads(server) <= before
 
 
 def test_corrupted_blob_fails_that_request_naming_the_transport(server, env) -> None:
@@ -252,6 +241,21 @@ def _concurrent_streams(server, n: int, timeout: float) -> tuple[list, list]:
 def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
     results, expected = _concurrent_streams(server, 16, timeout=300)
     assert results == expected
+
+
+def test_stub_threads_do_not_grow_with_the_requests_served(server) -> None:
+    """pd and decode run requests on fixed pools and send through one thread each: after rounds of 16
+    concurrent streams their stubs have as many threads as after the first round, within a bound."""
+    stubs = {m: E.stub_pid(server.proc.pid, m) for m in ("pd", "decode", "prefill")}
+    counts = []
+    for _ in range(3):
+        results, expected = _concurrent_streams(server, 16, timeout=300)
+        assert results == expected
+        counts.append({m: E.thread_count(pid) for m, pid in stubs.items()})
+    assert counts[2] == counts[1], counts
+    # pd: 32 request workers + 32 decode-stream readers + the sender + Triton's own few;
+    # decode: 8 KV loaders + scheduler + sender + torch/Triton's own
+    assert counts[2]["pd"] <= 2 * 32 + 16 and counts[2]["decode"] <= 8 + 16, counts
 
 
 def test_metrics_show_the_airm_families_after_traffic(server) -> None:

@@ -354,3 +354,40 @@ def test_concurrent_submits_and_cancels_leave_nothing_behind(smollm, prefiller) 
         stats = eng.stats()
         assert (stats["free_slots"], stats["queued"], stats["loading"]) == (4, 0, 0)
         assert not any(eng.cancel(key) for key in cols)  # no key is still known
+
+
+def test_a_first_token_that_comes_with_the_kv_decodes_the_same(engine, prefiller, ragged) -> None:
+    """The disaggregated path: decode learns the first token from the KV's handle, in load_kv."""
+    ids, params, expected = ragged[5]
+    pre = prefiller.prefill("late-first", ids, params)
+
+    def load_kv(cache, slot) -> int:
+        cache.load_all(slot, pre.kv)
+        return pre.first_token
+
+    col = Collector()
+    engine.submit(DecodeRequest("late-first", pre.num_tokens, None, params, load_kv, col))
+    assert col.wait() == expected
+    assert engine.stats()["free_slots"] == 16
+
+
+def test_a_cancel_that_overtakes_its_request_refuses_it_later(engine, prefiller, ragged) -> None:
+    from rngd_pd.errors import RequestCancelled
+
+    ids, params, _ = ragged[0]
+    assert engine.cancel("early") is False  # not submitted yet: remembered
+    assert engine.is_cancelled("early")
+    req, col = request("early", prefiller.prefill("early", ids, params), params)
+    with pytest.raises(RequestCancelled):
+        engine.submit(req)
+    assert not col.events and not engine.is_cancelled("early")
+
+
+def test_phases_only_move_forward(smollm) -> None:
+    from rngd_pd.engine.decode import Phase, _Entry
+
+    entry = _Entry(DecodeRequest("k", 3, None, GREEDY, None, None), None, None, 11)
+    entry.advance(Phase.LOADING)
+    entry.advance(Phase.DONE)
+    with pytest.raises(AssertionError, match="DONE -> ACTIVE"):
+        entry.advance(Phase.ACTIVE)

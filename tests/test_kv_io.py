@@ -6,6 +6,7 @@ import dataclasses
 import json
 import tempfile
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -35,6 +36,17 @@ def _layers(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(SPEC.num_layers)]
 
 
+def _receive(receiver: KVReceiver, key: str, t: int, **kw):
+    """Pull into slot 1 of a small cache laid out as decode's KVCache; returns (handle, per-layer K/V)."""
+    shape = (3, SPEC.num_kv_heads, T + 2, SPEC.head_dim)
+    layers = range(SPEC.num_layers)
+    cache = types.SimpleNamespace(k=[torch.zeros(shape, dtype=torch.bfloat16) for _ in layers],
+                                  v=[torch.zeros(shape, dtype=torch.bfloat16) for _ in layers])
+    handle = receiver.receive_into(key, t, cache, 1, **kw)
+    assert all(not k[[0, 2]].any() and not k[1, :, t:].any() for k in cache.k + cache.v), "wrote outside"
+    return handle, [(k[1, :, :t], v[1, :, :t]) for k, v in zip(cache.k, cache.v, strict=True)]
+
+
 def _send(transport, key: str, layers) -> None:
     sender = KVSender(transport, key, SPEC)
     for i, (k, v) in enumerate(layers):
@@ -48,7 +60,7 @@ def test_receiver_gets_the_same_bytes_while_the_sender_is_still_pushing(shm, mon
     layers = _layers()
     result = {}
     receiver = threading.Thread(target=lambda: result.update(
-        zip(("handle", "kv"), KVReceiver(shm, SPEC, timeout_s=10).receive("k1", T), strict=True)))
+        zip(("handle", "kv"), _receive(KVReceiver(shm, SPEC, timeout_s=10), "k1", T), strict=True)))
     receiver.start()  # pulls start before anything was pushed: they wait for each blob
     _send(shm, "k1", layers)
     receiver.join(20)
@@ -67,23 +79,23 @@ def test_a_flipped_byte_is_refused_naming_the_transport(shm) -> None:
     blob[0] ^= 1
     shm.push("k2", 1, blob[:n])
     with pytest.raises(errors.TransportIntegrityError, match=r"'shm'.*crc32c of blob 1"):
-        KVReceiver(shm, SPEC, timeout_s=5).receive("k2", T)
+        _receive(KVReceiver(shm, SPEC, timeout_s=5), "k2", T)
 
 
 def test_kv_of_another_model_or_length_is_refused(shm) -> None:
     _send(shm, "k3", _layers())
     other = dataclasses.replace(SPEC, fingerprint="another-model")
     with pytest.raises(errors.TransportIntegrityError, match="fingerprint"):
-        KVReceiver(shm, other, timeout_s=5).receive("k3", T)
+        _receive(KVReceiver(shm, other, timeout_s=5), "k3", T)
     with pytest.raises(errors.TransportIntegrityError, match="bytes"):
-        KVReceiver(shm, SPEC, timeout_s=5).receive("k3", T + 1)
+        _receive(KVReceiver(shm, SPEC, timeout_s=5), "k3", T + 1)
 
 
 def test_missing_kv_times_out_and_cancel_stops_the_wait(shm) -> None:
     with pytest.raises(errors.TransportTimeoutError, match=r"'shm'.*did not arrive"):
-        KVReceiver(shm, SPEC, timeout_s=0.5, poll_s=0.1).receive("nobody", T)
+        _receive(KVReceiver(shm, SPEC, timeout_s=0.5, poll_s=0.1), "nobody", T)
     with pytest.raises(errors.RequestCancelled):
-        KVReceiver(shm, SPEC, timeout_s=30, poll_s=0.1).receive("nobody", T, cancelled=lambda: True)
+        _receive(KVReceiver(shm, SPEC, timeout_s=30, poll_s=0.1), "nobody", T, cancelled=lambda: True)
 
 
 def test_a_failing_push_names_the_transport() -> None:

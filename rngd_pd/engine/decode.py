@@ -14,14 +14,15 @@ bytes = sum over buckets of slots_b * len_b * num_layers * 2 * kv_heads * head_d
 
 from __future__ import annotations
 
+import enum
 import heapq
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,30 +35,48 @@ from rngd_pd.engine.request import (
     TokenEvent,
     check_request,
 )
-from rngd_pd.errors import CapacityError, ConfigError, RngdPdError
+from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
 from rngd_pd.model.cache import KVCache
 from rngd_pd.model.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (512, 2048, 8192)
+CANCEL_MEMORY_S = 120.0  # how long a cancel of a key not (yet) submitted is remembered
+MAX_TOMBSTONES = 4096
+
+
+class Phase(enum.IntEnum):
+    """Where a request is; it only moves forward (QUEUED -> LOADING -> ACTIVE -> DONE, or straight
+    to DONE from any phase when it is cancelled or fails)."""
+
+    QUEUED = 1   # waiting for a slot
+    LOADING = 2  # has a slot; a loader thread is filling it with the prompt's KV
+    ACTIVE = 3   # in the batch
+    DONE = 4     # its final event went out; the slot is free
 
 
 @dataclass(eq=False)
 class _Entry:
-    """One request inside the engine; touched only by the scheduler thread once queued."""
+    """The one record of a request inside the engine, from submit to its final event."""
 
     req: DecodeRequest
     state: RequestState
     sampler: Sampler
     need: int  # prompt_len + max_tokens
+    phase: Phase = Phase.QUEUED
     bucket: _Bucket | None = None
     slot: int = -1
     position: int = 0  # where the next fed token goes (= tokens cached so far)
     last_token: int = 0
-    phase: str = "queued"  # queued -> loading -> active
+    cancel_asked: bool = False
+    loaded: bool = False  # the loader is done with it (KV in the slot, or load_error)
     load_error: BaseException | None = None
-    load_future: Future | None = field(default=None, repr=False)
+
+    def advance(self, phase: Phase) -> None:
+        if phase <= self.phase:
+            raise AssertionError(f"request {self.req.key}: phase {self.phase.name} -> {phase.name}")
+        self.phase = phase
 
 
 class _Bucket:
@@ -99,8 +118,13 @@ def plan_buckets(
 class DecodeEngine:
     """Continuous-batching decode over `num_slots` concurrent streams.
 
+    Every request has one `_Entry` in `_requests` from submit to its final event, with a forward-only
+    `Phase`; `_queue` only orders the QUEUED ones. A request whose first token is not known at submit
+    (the disaggregated path: it comes with the KV's handle) gets it from `load_kv`.
+
     Thread-safety: submit/cancel/stats may be called from any thread. emit callbacks run on the
-    scheduler thread (the first token's event on the submitting thread) and must be quick.
+    scheduler thread (the first token's event on the submitting thread when it is known there) and
+    must be quick: they queue, they never wait on I/O.
     """
 
     def __init__(
@@ -127,11 +151,9 @@ class DecodeEngine:
         self._loader_threads = loader_threads
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: deque[_Entry] = deque()
-        self._ready: list[_Entry] = []  # KV loaded (or failed), waiting for the scheduler
-        self._keys: dict[str, _Entry | None] = {}  # every request in flight (None: being submitted)
-        self._cancelled: set[str] = set()
-        self._in_slots = 0  # loading + active
+        self._requests: dict[str, _Entry | None] = {}  # every request in flight (None: being submitted)
+        self._queue: deque[_Entry] = deque()  # the QUEUED ones, in arrival order
+        self._tombstones: dict[str, float] = {}  # keys cancelled before they were submitted -> when
         self._running = False
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -160,7 +182,7 @@ class DecodeEngine:
             self._thread.join()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        leftovers = [e for e in self._keys.values() if e is not None]
+        leftovers = [e for e in self._requests.values() if e is not None]
         for e in leftovers:
             err = RngdPdError("the decode engine stopped before the request finished; retry it",
                               key=e.req.key)
@@ -175,50 +197,63 @@ class DecodeEngine:
 
     # ---- API ---------------------------------------------------------------------------------------
     def submit(self, req: DecodeRequest) -> None:
-        """Queue a prefilled request. Emits the first token's event on this thread.
+        """Queue a prefilled request. Emits the first token's event on this thread when it is known.
 
         Raises ConfigError / ContextLengthError for a bad request, CapacityError when the queue is
-        full, RngdPdError when the engine is not running. Nothing is emitted when it raises.
+        full, RequestCancelled when its key was cancelled before, RngdPdError when the engine is not
+        running. Nothing is emitted when it raises.
         """
         check_request(req.prompt_len, req.params, self.buckets[-1].max_len, key=req.key)
-        if not 0 <= req.first_token < self.config.vocab_size:
-            raise ConfigError(f"first_token {req.first_token} outside the vocabulary", key=req.key)
+        if req.first_token is not None:
+            self._check_token(req.key, req.first_token)
         self._reserve(req.key)
         state = RequestState(req.key, req.params, self.loaded.tokenizer, self.config.eos_token_ids)
-        try:
-            ev = state.advance(req.first_token)
-            req.emit(ev)
-        except BaseException:
-            self._unreserve(req.key)
-            raise
-        if ev.finished:
-            self._unreserve(req.key, finished=True)
-            return
         entry = _Entry(req, state, Sampler(req.params, first_step=1), req.prompt_len + req.params.max_tokens,
-                       position=req.prompt_len, last_token=req.first_token)
+                       position=req.prompt_len)
+        if req.first_token is not None:
+            try:
+                ev = self._first(entry, req.first_token)
+            except BaseException:
+                self._unreserve(req.key)
+                raise
+            if ev.finished:
+                self._unreserve(req.key, finished=True)
+                return
         with self._lock:
-            self._keys[req.key] = entry
+            self._requests[req.key] = entry
             self._queue.append(entry)
             self._wake.notify()
 
     def cancel(self, key: str) -> bool:
-        """Ask for a request to end (final event finish_reason "cancelled"); False if unknown."""
+        """Ask for a request to end (final event finish_reason "cancelled"); False if unknown, and
+        then a submit of that key within CANCEL_MEMORY_S is refused (the cancel overtook it)."""
         with self._lock:
-            if key not in self._keys:
+            entry = self._requests.get(key)
+            if key not in self._requests:
+                self._remember_locked(key)
                 return False
-            self._cancelled.add(key)
+            if entry is not None:
+                entry.cancel_asked = True
+            else:
+                self._remember_locked(key)  # mid-submit: submit sees the tombstone
             self._wake.notify()
             return True
 
+    def is_cancelled(self, key: str) -> bool:
+        """Whether a cancel was asked for `key` (loaders poll it while they wait for KV)."""
+        with self._lock:
+            entry = self._requests.get(key)
+            return key in self._tombstones or (entry is not None and entry.cancel_asked)
+
     def stats(self) -> dict:
         with self._lock:
-            active = sum(len(b.active) for b in self.buckets)
+            phases = [e.phase for e in self._requests.values() if e is not None]
             return {
                 "num_slots": self.num_slots,
-                "active": active,
-                "loading": self._in_slots - active,
-                "queued": len(self._queue),
-                "free_slots": self.num_slots - self._in_slots,
+                "active": phases.count(Phase.ACTIVE),
+                "loading": phases.count(Phase.LOADING),
+                "queued": phases.count(Phase.QUEUED),
+                "free_slots": self.num_slots - phases.count(Phase.LOADING) - phases.count(Phase.ACTIVE),
                 "buckets": {b.max_len: len(b.active) for b in self.buckets},
                 "kv_cache_bytes": sum(b.cache.nbytes for b in self.buckets),
                 **self._counters,
@@ -226,26 +261,53 @@ class DecodeEngine:
             }
 
     # ---- submission bookkeeping ----------------------------------------------------------------
+    def _check_token(self, key: str, token: int) -> None:
+        if not 0 <= token < self.config.vocab_size:
+            raise ConfigError(f"first_token {token} outside the vocabulary", key=key)
+
+    def _first(self, e: _Entry, token: int) -> TokenEvent:
+        """Account for the first token (sampled by prefill) and emit its event."""
+        e.last_token = token
+        ev = e.state.advance(token)
+        e.req.emit(ev)
+        return ev
+
+    def _in_slots_locked(self) -> int:
+        """Requests holding a slot (LOADING or ACTIVE)."""
+        return sum(1 for e in self._requests.values()
+                   if e is not None and Phase.QUEUED < e.phase < Phase.DONE)
+
+    def _remember_locked(self, key: str) -> None:
+        now = time.monotonic()
+        oldest = next(iter(self._tombstones.values()), now)
+        if len(self._tombstones) >= MAX_TOMBSTONES or now - oldest > CANCEL_MEMORY_S:
+            self._tombstones = {k: t for k, t in self._tombstones.items() if now - t < CANCEL_MEMORY_S}
+            while len(self._tombstones) >= MAX_TOMBSTONES:
+                self._tombstones.pop(next(iter(self._tombstones)))
+        self._tombstones[key] = now
+
     def _reserve(self, key: str) -> None:
         with self._lock:
             if not self._running:
                 raise RngdPdError("the decode engine is not running; call start() first", key=key)
-            if key in self._keys:
+            if self._tombstones.pop(key, None) is not None:
+                raise RequestCancelled("cancelled before decode started", key=key)
+            if key in self._requests:
                 raise ConfigError("a request with this key is already in flight", key=key)
-            waiting = len(self._queue) + sum(1 for e in self._keys.values() if e is None)
-            if waiting >= self.max_queue + max(0, self.num_slots - self._in_slots):
+            waiting = len(self._queue) + sum(1 for e in self._requests.values() if e is None)
+            if waiting >= self.max_queue + max(0, self.num_slots - self._in_slots_locked()):
                 self._counters["rejected"] += 1
                 raise CapacityError(
                     f"decode queue full ({len(self._queue)} waiting, max_queue={self.max_queue}, "
                     f"all {self.num_slots} slots busy); retry later or raise max_queue/num_slots",
                     key=key,
                 )
-            self._keys[key] = None
+            self._requests[key] = None
 
     def _unreserve(self, key: str, finished: bool = False) -> None:
         with self._lock:
-            self._keys.pop(key, None)
-            self._cancelled.discard(key)
+            self._requests.pop(key, None)
+            self._tombstones.pop(key, None)
             if finished:
                 self._counters["finished"] += 1
 
@@ -256,62 +318,55 @@ class DecodeEngine:
                 with self._lock:
                     if not self._running:
                         return
-                    cancelled = self._take_cancelled_locked()
                     self._start_loads_locked()
-                    ready, self._ready = self._ready, []
-                    ready_cancelled = [e for e in ready if e.req.key in self._cancelled]
+                    entries = [e for e in self._requests.values() if e is not None]
+                    # a loading request is ended only once its loader let go of the slot
+                    settled = [e for e in entries if e.phase != Phase.LOADING or e.loaded]
+                    cancelled = [e for e in settled if e.cancel_asked]
+                    ready = [e for e in settled if e.phase == Phase.LOADING and not e.cancel_asked]
                     busy = any(b.active for b in self.buckets)
                     if not (cancelled or ready or busy):
                         self._wake.wait()
                         continue
-                for e in cancelled + ready_cancelled:
+                    for e in cancelled:
+                        if e.phase == Phase.QUEUED:
+                            self._queue.remove(e)
+                for e in cancelled:
                     self._retire(e, e.state.final(FINISH_CANCELLED))
                 for e in ready:
-                    if e not in ready_cancelled:
-                        self._admit(e)
+                    self._admit(e)
                 for b in self.buckets:
                     if b.active:
                         self._step(b)
 
-    def _take_cancelled_locked(self) -> list[_Entry]:
-        """Queued or active entries whose cancel was asked; loading ones wait for their load."""
-        out = []
-        for key in list(self._cancelled):
-            if key not in self._keys:
-                self._cancelled.discard(key)
-                continue
-            e = self._keys[key]
-            if e is None or e.phase == "loading":
-                continue
-            self._cancelled.discard(key)
-            if e.phase == "queued":
-                self._queue.remove(e)
-            out.append(e)
-        return out
-
     def _start_loads_locked(self) -> None:
         """FIFO: give the head of the queue a slot and start loading its KV, while slots last."""
-        while self._queue and self._in_slots < self.num_slots:
+        while self._queue and self._in_slots_locked() < self.num_slots:
             e = self._queue[0]
             bucket = next((b for b in self.buckets if b.max_len >= e.need and b.free), None)
             if bucket is None:
                 return
             self._queue.popleft()
-            e.bucket, e.slot, e.phase = bucket, heapq.heappop(bucket.free), "loading"
-            self._in_slots += 1
+            e.bucket, e.slot = bucket, heapq.heappop(bucket.free)
+            e.advance(Phase.LOADING)
             assert self._pool is not None
-            e.load_future = self._pool.submit(self._load, e)
+            self._pool.submit(self._load, e)
 
     def _load(self, e: _Entry) -> None:
         """Loader thread: fill the entry's slot; a failure fails only this request."""
         try:
             assert e.bucket is not None
             with torch.inference_mode():
-                e.req.load_kv(e.bucket.cache, e.slot)
+                first = e.req.load_kv(e.bucket.cache, e.slot)
+            if e.req.first_token is None:
+                if not isinstance(first, int):
+                    raise RngdPdError("load_kv returned no first token", key=e.req.key)
+                self._check_token(e.req.key, first)
+                e.req.first_token = first
         except BaseException as ex:
             e.load_error = ex
         with self._lock:
-            self._ready.append(e)
+            e.loaded = True
             self._wake.notify()
 
     def _admit(self, e: _Entry) -> None:
@@ -319,11 +374,22 @@ class DecodeEngine:
             err = e.load_error
             if not isinstance(err, RngdPdError):
                 err = RngdPdError(f"loading the KV failed: {err!r}", key=e.req.key)
-            self._retire(e, e.state.final(FINISH_ERROR, err))
+            reason = FINISH_CANCELLED if isinstance(err, RequestCancelled) else FINISH_ERROR
+            self._retire(e, e.state.final(reason, None if reason == FINISH_CANCELLED else err))
             return
         assert e.bucket is not None
-        e.phase = "active"
+        if not e.state.token_ids:  # the first token came with the KV
+            try:
+                ev = self._first(e, int(e.req.first_token))  # type: ignore[arg-type]
+            except Exception as ex:
+                err = RngdPdError(f"first token: {ex!r}", key=e.req.key)
+                self._retire(e, e.state.final(FINISH_ERROR, err))
+                return
+            if ev.finished:
+                self._retire(e, None)
+                return
         with self._lock:
+            e.advance(Phase.ACTIVE)
             e.bucket.active[e.slot] = e
 
     def _step(self, b: _Bucket) -> None:
@@ -361,19 +427,21 @@ class DecodeEngine:
             self._times["model_s"] += t1 - t0
             self._times["host_s"] += time.perf_counter() - t1
 
-    def _retire(self, e: _Entry, ev: TokenEvent) -> None:
-        """Free the slot at once, then send the request's one final event."""
+    def _retire(self, e: _Entry, ev: TokenEvent | None) -> None:
+        """Free the slot at once, then send the request's one final event (None: already sent)."""
         with self._lock:
+            if e.phase == Phase.DONE:
+                return
             if e.bucket is not None and e.slot >= 0:
                 e.bucket.active.pop(e.slot, None)
                 heapq.heappush(e.bucket.free, e.slot)
-                self._in_slots -= 1
                 e.slot = -1
-            self._keys.pop(e.req.key, None)
-            self._cancelled.discard(e.req.key)
+            e.advance(Phase.DONE)
+            self._requests.pop(e.req.key, None)
             self._counters["finished"] += 1
             self._wake.notify()
-        self._emit(e, ev)
+        if ev is not None:
+            self._emit(e, ev)
 
     def _emit(self, e: _Entry, ev: TokenEvent) -> None:
         try:

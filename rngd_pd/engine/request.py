@@ -49,13 +49,14 @@ class DecodeRequest:
     """A prefilled request handed to the DecodeEngine.
 
     load_kv(cache, slot) must write the prompt's KV (positions [0, prompt_len)) into the slot of
-    every layer; it runs on a loader thread and may block on a transport. It is never called when
-    the first token already ends the request (the caller then releases the KV itself).
+    every layer; it runs on a loader thread and may block on a transport. With a known first_token
+    it is never called when that token already ends the request (the caller then releases the KV
+    itself); with first_token None (it travels with the KV) load_kv returns it.
     """
 
     key: str
     prompt_len: int
-    first_token: int
+    first_token: int | None
     params: SamplingParams
     load_kv: Callable[..., None]
     emit: Callable[[TokenEvent], None]

@@ -135,11 +135,14 @@ class KVHandle:
     def verify_blob(self, index: int, data: Any) -> None:
         """Check one received blob's size and checksum against the handle (the receiver's side)."""
         view = as_bytes(data)
-        if len(view) != self.sizes[index]:
-            self._mismatch(f"size of blob {index}", self.sizes[index], len(view))
-        got = checksum(view, self.checksum_algorithm)
-        if got != self.checksums[index]:
-            self._mismatch(f"{self.checksum_algorithm} of blob {index}", self.checksums[index], got)
+        self.verify_sum(index, len(view), checksum(view, self.checksum_algorithm))
+
+    def verify_sum(self, index: int, size: int, value: int) -> None:
+        """Check a blob's size and checksum (computed by the receiver with the handle's algorithm)."""
+        if size != self.sizes[index]:
+            self._mismatch(f"size of blob {index}", self.sizes[index], size)
+        if value != self.checksums[index]:
+            self._mismatch(f"{self.checksum_algorithm} of blob {index}", self.checksums[index], value)
 
     def _mismatch(self, name: str, want: Any, got: Any) -> None:
         raise TransportIntegrityError(

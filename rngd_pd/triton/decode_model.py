@@ -1,10 +1,10 @@
 """The `decode` model (decoupled): request key + prompt length + sampling -> a stream of tokens.
 
-It is started together with prefill: a loader thread pulls each layer's KV as prefill pushes it (the
-transfer overlaps prefill), then the handle with the first token, validates all of it, releases the
-key on the transport and submits the request to the continuous-batching `DecodeEngine`, which copies
-the KV into its slot. The stream carries the tokens after the first one (pd already has the first from
-prefill) and ends with the finish reason. It never recomputes the prompt.
+It is started together with prefill and waits in the engine for a slot; then one of the engine's
+loader threads pulls each layer's KV into that slot as prefill pushes it (the transfer overlaps
+prefill), then the handle with the first token, validates all of it and releases the key on the
+transport. The stream carries the tokens after the first one (pd already has the first from prefill)
+and ends with the finish reason. It never recomputes the prompt.
 
 A request with `cancel=true` stops the key instead: the engine frees the slot, a KV wait is abandoned,
 the KV is released; keys cancelled before their start request arrives are remembered for a while.
@@ -12,26 +12,29 @@ the KV is released; keys cancelled before their start request arrives are rememb
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.engine.request import DecodeRequest, TokenEvent
+from rngd_pd.engine.request import FINISH_CANCELLED, FINISH_ERROR, DecodeRequest, TokenEvent
 from rngd_pd.kv.handle import KVSpec
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton.kv_io import KVReceiver
 from rngd_pd.triton.params import kv_torch_dtype
 
 Emit = Callable[[list[int], str, "BaseException | None"], None]  # (new ids, finish reason, error)
-CANCEL_MEMORY_S = 120.0
 IN_FLIGHT = "airm_decode_requests_in_flight"
 
 
 class DecodeService:
-    """DecodeEngine + transport + KV loaders; thread-safe. `emit` gets (ids, finish_reason, error)."""
+    """DecodeEngine + transport; thread-safe. `emit` gets (ids, finish_reason, error).
+
+    A started request waits in the engine for a slot; once it has one, one of the engine's loader
+    threads (as many as slots, a fixed pool) pulls its KV straight into that slot as prefill pushes
+    it, validates it, releases the key on the transport and hands the first token to the engine.
+    The engine's record of the request is the only one (`rngd_pd.engine.decode.Phase`).
+    """
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", num_slots: int = 8,
                  max_len: int = 4096, max_queue: int = 64, kv_timeout_s: float = 60.0,
@@ -42,58 +45,46 @@ class DecodeService:
         self.loaded, self.transport = loaded, transport
         spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
-        self.engine = DecodeEngine(loaded, num_slots, max_len, kv_torch_dtype(kv_dtype), max_queue)
+        self.engine = DecodeEngine(loaded, num_slots, max_len, kv_torch_dtype(kv_dtype), max_queue,
+                                   loader_threads=num_slots)
         self.engine.start()
-        self._loaders = ThreadPoolExecutor(num_slots + max_queue, thread_name_prefix="decode-kv-pull")
-        self._lock = threading.Lock()
-        self._cancelled: dict[str, float] = {}  # key -> when
-        self._pulling: set[str] = set()
         self.on_kv = on_kv  # gets each request's KV wait + transfer seconds (metrics)
 
     def start(self, key: str, prompt_len: int, params: SamplingParams, emit: Emit) -> None:
-        """Begin one request; raises ConfigError/ContextLengthError/CapacityError before anything runs."""
-        from rngd_pd.engine.request import check_request
-
-        check_request(prompt_len, params, self.engine.buckets[-1].max_len, key=key)
-        with self._lock:
-            if self._cancelled.pop(key, None) is not None:
-                raise errors.RequestCancelled("cancelled before decode started", key=key)
-            if key in self._pulling:
-                raise errors.ConfigError("a request with this key is already in flight", key=key)
-            self._pulling.add(key)
-        self._loaders.submit(self._load_and_submit, key, prompt_len, params, emit)
-
-    def _load_and_submit(self, key: str, prompt_len: int, params: SamplingParams, emit: Emit) -> None:
-        t0 = time.monotonic()
+        """Begin one request; raises ConfigError/ContextLengthError/CapacityError/RequestCancelled
+        before anything runs."""
+        request = DecodeRequest(key, prompt_len, None, params, self._loader(key, prompt_len),
+                                self._forward(key, emit))
         try:
-            handle, kv = self.receiver.receive(key, prompt_len, lambda: self._is_cancelled(key))
+            self.engine.submit(request)
+        except BaseException:
+            self._release_quietly(key)
+            raise
+
+    def _loader(self, key: str, prompt_len: int) -> Callable[[Any, int], int]:
+        def load_kv(cache: Any, slot: int) -> int:
+            t0 = time.monotonic()
+            handle = self.receiver.receive_into(key, prompt_len, cache, slot,
+                                                lambda: self.engine.is_cancelled(key))
             if self.on_kv is not None:
                 self.on_kv(time.monotonic() - t0)
             self.transport.release(key)  # the bytes are ours now; blobs never outlive the request
-            with self._lock:
-                self._pulling.discard(key)
-            self.engine.submit(DecodeRequest(key, prompt_len, handle.first_token, params,
-                                             lambda cache, slot: cache.load_all(slot, kv),
-                                             self._forward(handle.first_token, emit)))
-            if self._is_cancelled(key):  # a cancel that raced the hand-over to the engine
-                self.engine.cancel(key)
-        except BaseException as exc:
-            with self._lock:
-                self._pulling.discard(key)
-            self._release_quietly(key)
-            emit([], "", exc)
+            return handle.first_token
 
-    @staticmethod
-    def _forward(first_token: int, emit: Emit) -> Callable[[TokenEvent], None]:
+        return load_kv
+
+    def _forward(self, key: str, emit: Emit) -> Callable[[TokenEvent], None]:
         """Engine events -> emit; the first token's event carries no id (pd has it from prefill)."""
         seen_first = [False]
 
         def on_event(ev: TokenEvent) -> None:
             ids = [] if ev.token_id is None or not seen_first[0] else [ev.token_id]
             seen_first[0] = True
+            if ev.finished and ev.finish_reason in (FINISH_CANCELLED, FINISH_ERROR):
+                self._release_quietly(key)  # a failed or cancelled request may have left blobs
             if ev.error is not None:
                 emit([], "", ev.error)
-            elif ev.finished and ev.finish_reason == "cancelled":
+            elif ev.finished and ev.finish_reason == FINISH_CANCELLED:
                 emit([], "", errors.RequestCancelled("cancelled", key=ev.key))
             elif ids or ev.finished:
                 emit(ids, ev.finish_reason or "", None)
@@ -101,22 +92,11 @@ class DecodeService:
         return on_event
 
     def cancel(self, key: str) -> bool:
-        """Stop `key` wherever it is (waiting for KV, queued, decoding); release its KV. Idempotent."""
-        now = time.monotonic()
-        with self._lock:
-            self._cancelled = {k: t for k, t in self._cancelled.items() if now - t < CANCEL_MEMORY_S}
-            self._cancelled[key] = now
-            pulling = key in self._pulling
+        """Stop `key` wherever it is (queued, loading, decoding, not started yet); release its KV.
+        Idempotent."""
         found = self.engine.cancel(key)
-        if found:
-            with self._lock:
-                self._cancelled.pop(key, None)
         self._release_quietly(key)
-        return found or pulling
-
-    def _is_cancelled(self, key: str) -> bool:
-        with self._lock:
-            return key in self._cancelled
+        return found
 
     def _release_quietly(self, key: str) -> None:
         try:
@@ -125,39 +105,40 @@ class DecodeService:
             pass  # the transport's TTL frees what a dead relay could not
 
     def stats(self) -> dict:
-        with self._lock:
-            pulling = len(self._pulling)
-        return {**self.engine.stats(), "pulling_kv": pulling}
+        return self.engine.stats()
 
     def in_flight(self) -> int:
-        """Requests holding anything here: waiting for KV, queued, loading or decoding."""
+        """Requests holding anything here: queued, loading or decoding."""
         s = self.stats()
-        return s["pulling_kv"] + s["queued"] + s["loading"] + s["active"]
+        return s["queued"] + s["loading"] + s["active"]
 
     def close(self) -> None:
         self.engine.stop()
-        self._loaders.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
 
 
 class DecodeModel:
-    """Triton adapter: decoupled; `execute` only starts requests, responses come from engine threads."""
+    """Triton adapter: decoupled; `execute` only starts requests. Responses go out through the
+    instance's one sender thread (`rngd_pd.triton.sending`): the scheduler and loader threads only
+    queue them."""
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.kv import load_transport
+        from rngd_pd.triton import pbutils
         from rngd_pd.triton.metrics import triton_metrics
+        from rngd_pd.triton.sending import ResponseLoop
         from rngd_pd.triton.serving import DecodeParams, load_for, model_params
 
         p = model_params(DecodeParams, args)
-        self.metrics = triton_metrics(args.get("model_name", "decode"))
+        name = args.get("model_name", "decode")
+        self.metrics = triton_metrics(name)
         self.service = DecodeService(load_for(p, args), load_transport(p.kv_transport), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
-        from rngd_pd.triton import pbutils
-
+        self.responses = ResponseLoop(name)
         self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
                                              "GAUGE")
-        self._in_flight = self._family.Metric(labels={"model": args.get("model_name", "decode")})
+        self._in_flight = self._family.Metric(labels={"model": name})
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -168,50 +149,46 @@ class DecodeModel:
         from rngd_pd.triton import tensors as T
         from rngd_pd.triton.serving import getter
 
-        sender = request.get_response_sender()
+        stream = self.responses.open(request, T.DECODE)
         try:
             key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
             if not key:
                 raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
             if pbutils.input_scalar(request, T.CANCEL, False):
                 self.service.cancel(key)
-                pbutils.send(sender, pbutils.make_response(T.DECODE, {T.FINISH_REASON: "cancelled"}),
-                             final=True)
+                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"}, final=True)
                 return
             prompt_len = pbutils.input_scalar(request, T.PROMPT_LEN)
             if prompt_len is None:
                 raise errors.ConfigError(f"input {T.PROMPT_LEN!r} is required to start a request")
             params = inputs.sampling_params(getter(request))
-            self.service.start(key, int(prompt_len), params, self._emitter(sender))
+            stream.on_cancel = lambda: self.service.cancel(key)  # a gRPC caller that cancelled
+            self.service.start(key, int(prompt_len), params, self._emitter(stream))
         except Exception as exc:
-            self._fail(sender, exc)
+            self._fail(stream, exc)
         self._in_flight.set(self.service.in_flight())
 
     @staticmethod
-    def _fail(sender: Any, exc: BaseException) -> None:
+    def _fail(stream: Any, exc: BaseException) -> None:
         """End a request that failed. A cancelled one ends with a plain final response, finish_reason
         "cancelled", not an error: after a client cancelled pd's request, Triton 2.51 never delivered
         decode's final *error* response to pd's BLS stream (a plain one arrives), and pd's thread
         waiting on that stream stayed parked for good, one per cancelled request."""
-        from rngd_pd.triton import pbutils
         from rngd_pd.triton import tensors as T
 
         if isinstance(exc, errors.RequestCancelled):
-            response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"})
-            pbutils.send(sender, response, final=True)
+            stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"}, final=True)
         else:
-            pbutils.send_error(sender, exc)
+            stream.fail(exc)
 
-    def _emitter(self, sender: Any) -> Emit:
-        from rngd_pd.triton import pbutils
+    def _emitter(self, stream: Any) -> Emit:
         from rngd_pd.triton import tensors as T
 
         def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
             if error is not None:
-                self._fail(sender, error)
+                self._fail(stream, error)
             else:
-                response = pbutils.make_response(T.DECODE, {T.OUTPUT_IDS: ids, T.FINISH_REASON: reason})
-                pbutils.send(sender, response, final=bool(reason))
+                stream.send({T.OUTPUT_IDS: ids, T.FINISH_REASON: reason}, final=bool(reason))
             if error is not None or reason:
                 self._in_flight.set(self.service.in_flight())
 
@@ -219,6 +196,6 @@ class DecodeModel:
 
     def finalize(self) -> None:
         self.service.close()
+        self.responses.close()
         self.metrics.close()
         self._in_flight = self._family = None
-

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rngd_pd import errors
-from rngd_pd.kv.buffers import as_bytes, checksum
+from rngd_pd.kv.buffers import DEFAULT_CHECKSUM, as_bytes, checksum
 from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
 from rngd_pd.kv.protocol import flush
 
@@ -96,63 +96,101 @@ class KVSender:
         return handle
 
 
+class Deadline:
+    """One time limit for a whole pull: every wait inside it takes the smaller of its slice and what
+    is left, and the first wait past it raises."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self._end - time.monotonic()
+
+    def slice(self, poll_s: float) -> float:
+        """The next wait: at most `poll_s`, never past the deadline; 0 once it has passed."""
+        return max(0.0, min(poll_s, self.left()))
+
+
 class KVReceiver:
-    """Pulls one request's KV on the decode side; cancellable between (and during) blob waits."""
+    """Pulls one request's KV on the decode side, straight into a decode slot; cancellable between
+    (and during) blob waits.
+
+    Each blob lands in a staging buffer of the calling thread (allocated once per thread, grown only
+    for a longer prompt, so nothing is allocated per request), is checksummed there while it is in
+    cache, and is copied into the slot; the handle, pulled last, is then checked against the sizes and
+    checksums seen. Checksums are `DEFAULT_CHECKSUM`, what `KVSender` writes; a handle naming another
+    algorithm is refused.
+    """
 
     def __init__(self, transport: Any, spec: KVSpec, timeout_s: float = 60.0, poll_s: float = 0.25) -> None:
         self.transport, self.spec = transport, spec
         self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._staging = threading.local()
 
-    def receive(self, key: str, prompt_len: int, cancelled: Callable[[], bool] = lambda: False,
-                ) -> tuple[KVHandle, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every layer's (K, V) [kv_heads, prompt_len, head_dim] and the validated handle."""
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._staging.buf = torch.empty(max(nbytes, HANDLE_MAX_BYTES), dtype=torch.uint8)
+        return buf
+
+    def receive_into(self, key: str, prompt_len: int, cache: Any, slot: int,
+                     cancelled: Callable[[], bool] = lambda: False) -> KVHandle:
+        """Every layer's K and V into `cache` slot `slot` at positions [0, prompt_len); returns the
+        validated handle (its first token is the request's first)."""
         s = self.spec
-        shape = (s.num_kv_heads, prompt_len, s.head_dim)
         dtype = TORCH_DTYPES[s.dtype]
-        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(s.num_layers)]
-        deadline = time.monotonic() + self.timeout_s
-        expected = kv[0][0].numel() * kv[0][0].element_size()
-        for layer, (k, v) in enumerate(kv):
-            for index, out in ((k_index(layer), k), (v_index(layer), v)):
-                got = self._pull(key, index, out, deadline, cancelled)
+        shape = (s.num_kv_heads, prompt_len, s.head_dim)
+        expected = s.num_kv_heads * prompt_len * s.head_dim * dtype.itemsize
+        staging = self._buffer(expected)
+        deadline = Deadline(self.timeout_s)
+        seen: list[tuple[int, int]] = []
+        for layer in range(s.num_layers):
+            for index, target in ((k_index(layer), cache.k[layer]), (v_index(layer), cache.v[layer])):
+                got = self._pull(key, index, staging[:expected], deadline, cancelled)
                 if got != expected:
                     raise errors.TransportIntegrityError(
                         f"KV blob {index} has {got} bytes; a {prompt_len}-token prompt needs {expected} "
                         f"({s.num_kv_heads} kv heads x {s.head_dim} x {s.dtype})", key=key)
-        raw = bytearray(HANDLE_MAX_BYTES)
+                blob = staging[:expected]
+                seen.append((got, checksum(as_bytes(blob), DEFAULT_CHECKSUM)))
+                debug_log("decode", key, index, blob)
+                target[slot, :, :prompt_len].copy_(blob.view(dtype).view(shape))
+        raw = staging[:HANDLE_MAX_BYTES]
         n = self._pull(key, handle_index(s.num_layers), raw, deadline, cancelled)
-        handle = KVHandle.from_json(memoryview(raw)[:n])
-        self._check(handle, key, prompt_len, kv)
-        return handle, kv
+        handle = KVHandle.from_json(bytes(raw[:n].numpy()))
+        self._check(handle, key, prompt_len, seen)
+        return handle
 
-    def _check(self, handle: KVHandle, key: str, prompt_len: int,
-               kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _check(self, handle: KVHandle, key: str, prompt_len: int, seen: list[tuple[int, int]]) -> None:
         try:
             handle.validate(self.spec)
             if handle.key != key or handle.num_tokens != prompt_len:
                 raise errors.TransportIntegrityError(
                     f"KV handle is for request {handle.key} with {handle.num_tokens} tokens; expected "
                     f"{key} with {prompt_len}", key=key)
-            for layer, (k, v) in enumerate(kv):
-                for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
-                    debug_log("decode", key, index, tensor)
-                    handle.verify_blob(index, tensor)
+            if handle.checksum_algorithm != DEFAULT_CHECKSUM:
+                raise errors.TransportIntegrityError(
+                    f"KV handle checksums are {handle.checksum_algorithm}; this decode checks "
+                    f"{DEFAULT_CHECKSUM} while pulling (prefill and decode run different versions?)", key=key)
+            for index, (size, crc) in enumerate(seen):
+                handle.verify_sum(index, size, crc)
         except errors.TransportIntegrityError as exc:
             raise _named(self.transport, exc, key, "deliver this request's KV intact") from exc
 
-    def _pull(self, key: str, index: int, out: Any, deadline: float, cancelled: Callable[[], bool]) -> int:
+    def _pull(self, key: str, index: int, out: Any, deadline: Deadline, cancelled: Callable[[], bool]) -> int:
         """Wait for one blob in short slices so a cancel (or prefill's failure) is noticed quickly."""
         while True:
             if cancelled():
                 raise errors.RequestCancelled("cancelled while waiting for the KV", key=key)
-            left = deadline - time.monotonic()
-            if left <= 0:
+            wait = deadline.slice(self.poll_s)
+            if wait <= 0:
                 name = getattr(self.transport, "name", "?")
                 raise errors.TransportTimeoutError(
-                    f"KV transport {name!r}: blob {index} did not arrive within {self.timeout_s:.0f} s "
+                    f"KV transport {name!r}: blob {index} did not arrive within {deadline.seconds:.0f} s "
                     "(is prefill running and using the same transport?)", key=key)
             try:
-                return self.transport.pull(key, index, out, min(self.poll_s, left))
+                return self.transport.pull(key, index, out, wait)
             except errors.TransportTimeoutError:
                 continue
             except errors.TransportError as exc:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from rngd_pd import errors
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.inputs import bytes_scalar, new_key, sampling_inputs
+from rngd_pd.triton.workers import RequestPool
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,16 @@ class Orchestrator:
     """Runs requests through prefill and decode models reached by two `ModelClient`s (thread-safe)."""
 
     def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
-                 decode_model: str = "decode") -> None:
+                 decode_model: str = "decode", max_streams: int = 32) -> None:
         self.prefill, self.decode = prefill, decode
         self.prefill_model, self.decode_model = prefill_model, decode_model
+        # decode's streams are read on a fixed pool, one thread per running request; `run` is called
+        # by at most `max_streams` threads at once (pd's request pool), so a stream never waits here
+        self._pumps = RequestPool("pd-decode-stream", max_streams, max_streams)
+
+    def close(self) -> None:
+        """Stop reading decode streams (from the model's finalize)."""
+        self._pumps.close()
 
     def run(self, input_ids: list[int], params: SamplingParams, stream: bool,
             emit: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False) -> RunStats:
@@ -138,9 +145,7 @@ class Orchestrator:
         params.validate()
         stats = RunStats(new_key(), time.monotonic())
         responses: queue.SimpleQueue = queue.SimpleQueue()
-        pump = threading.Thread(target=self._pump, args=(stats.key, len(input_ids), params, responses),
-                                name=f"pd-decode-{stats.key[:8]}", daemon=True)
-        pump.start()
+        pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses)
         out = ChunkEmitter(stream, emit, context_len(params.stop))
         try:
             first = self._prefill(stats.key, input_ids, params)
@@ -151,7 +156,7 @@ class Orchestrator:
             self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
             self.abort(stats.key)
-            pump.join(JOIN_S)
+            pump.wait(JOIN_S)
             if isinstance(exc, errors.RngdPdError) and exc.key is None:
                 exc.key = stats.key
             raise

@@ -8,7 +8,7 @@ still works (tests, tooling); calling a helper that needs Triton raises a Runtim
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,9 +92,24 @@ def make_tensor(spec: TensorSpec, value: Any) -> Any:
     return pb().Tensor(spec.name, to_array(spec, value))
 
 
-def make_response(spec: ModelSpec, outputs: Mapping[str, Any]) -> Any:
-    """An InferenceResponse carrying `outputs` ({output name: value}) typed by the model's spec."""
-    tensors = [make_tensor(spec.output(name), value) for name, value in outputs.items()]
+def requested_outputs(request: Any) -> frozenset[str]:
+    """The outputs the receiver of `request`'s responses asked for (all of them when it named none).
+
+    Why it matters: Triton 2.51 prunes every other tensor of a response in C++ after releasing the GIL,
+    and freeing the pruned numpy array there corrupts the stub's heap under concurrency (python_backend
+    #390, fixed only in r24.12). So a response never carries a tensor outside this set.
+    """
+    return frozenset(request.requested_output_names())
+
+
+def make_response(spec: ModelSpec, outputs: Mapping[str, Any], requested: Collection[str]) -> Any:
+    """An InferenceResponse with the `requested` ones of `outputs` ({name: value}), typed by the spec.
+
+    The one place responses are built: a value whose name the receiver did not request is never turned
+    into a tensor (see `requested_outputs`). A callable value is computed only when requested.
+    """
+    tensors = [make_tensor(spec.output(name), value() if callable(value) else value)
+               for name, value in outputs.items() if name in requested]
     return pb().InferenceResponse(output_tensors=tensors)
 
 

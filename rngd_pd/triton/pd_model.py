@@ -1,6 +1,7 @@
 """The `pd` model (BLS orchestrator, decoupled) and the `colocated` model (same interface, no transfer).
 
-Both run each request on its own thread (`execute` only starts them) and send `Chunk`s as responses:
+Both run each request on a fixed pool of workers (`execute` only admits it) and send `Chunk`s as
+responses through the instance's one sender thread (`rngd_pd.triton.sending`):
 `output_ids`, `finish_reason` (empty until the last) and `context_ids` for the stateless postprocess.
 `pd` reaches prefill/decode by BLS, or by gRPC when `prefill_url` / `decode_url` are set; `colocated`
 runs prefill and decode in one instance (ColocatedEngine), the baseline the benches compare pd with.
@@ -11,44 +12,60 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rngd_pd import errors
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import inputs, pbutils
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.orchestrator import Chunk, ChunkEmitter, RunStats, context_len
-from rngd_pd.triton.serving import getter, run_decoupled
+from rngd_pd.triton.sending import Stream
+from rngd_pd.triton.serving import getter
 from rngd_pd.triton.text_models import CONTEXT_IDS, spec_for
 
 
 class _GenerationModel:
-    """The shared decoupled skeleton: parse the request, run it on a thread, send chunks, metrics."""
+    """The shared decoupled skeleton: `execute` only admits requests; a fixed pool of workers runs
+    them, and one sender thread per instance sends every response and reads the cancel flags."""
 
     name = "generation"
 
-    def _init_metrics(self, args: dict) -> None:
+    def _init_serving(self, args: dict, max_inflight: int, max_queue: int,
+                      fence: Callable[[Callable[[], None]], Any] | None = None) -> None:
         from rngd_pd.triton.metrics import triton_metrics
+        from rngd_pd.triton.sending import ResponseLoop
+        from rngd_pd.triton.workers import RequestPool
 
         self.name = args.get("model_name", self.name)
         self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")
         self.metrics = triton_metrics(self.name)
+        self.responses = ResponseLoop(self.name, fence=fence)
+        self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            run_decoupled(request, self._work, f"{self.name}-request")
+            stream = self.responses.open(request, self.spec)
+            try:
+                self.pool.submit(self._work, request, stream)
+            except Exception as exc:
+                stream.fail(exc)
 
-    def _work(self, request: Any, sender: Any) -> None:
-        get = getter(request)
-        ids = inputs.token_ids(get)
-        params = inputs.sampling_params(get)
-        stream = bool(pbutils.input_scalar(request, T.STREAM, False))
+    def _work(self, request: Any, stream: Stream) -> None:
+        try:
+            get = getter(request)
+            ids = inputs.token_ids(get)
+            params = inputs.sampling_params(get)
+            want_stream = bool(pbutils.input_scalar(request, T.STREAM, False))
+            stop = list(params.stop)
 
-        def emit(chunk: Chunk) -> None:
-            response = pbutils.make_response(self.spec, {T.OUTPUT_IDS: chunk.token_ids,
-                                                         T.FINISH_REASON: chunk.finish_reason,
-                                                         CONTEXT_IDS: chunk.context_ids,
-                                                         T.STOP: list(params.stop)})
-            pbutils.send(sender, response, final=chunk.final)
+            def emit(chunk: Chunk) -> None:
+                stream.send({T.OUTPUT_IDS: chunk.token_ids, T.FINISH_REASON: chunk.finish_reason,
+                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop}, final=chunk.final)
 
-        stats = self._run(ids, params, stream, emit, request.is_cancelled)
+            stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set)
+        except BaseException as exc:  # every request ends with exactly one final response
+            if not isinstance(exc, errors.RngdPdError | ValueError):
+                pbutils.log(f"{self.name}: unexpected {exc!r}", "error")
+            stream.fail(exc)
+            return
         self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
@@ -56,6 +73,8 @@ class _GenerationModel:
         raise NotImplementedError
 
     def finalize(self) -> None:
+        self.responses.close()
+        self.pool.close()
         self.metrics.close()
 
 
@@ -65,29 +84,28 @@ class PdModel(_GenerationModel):
     name = "pd"
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.triton.clients import BlsClient, GrpcClient
+        from rngd_pd.triton.clients import RETIRED, BlsClient, GrpcClient
         from rngd_pd.triton.orchestrator import Orchestrator
         from rngd_pd.triton.serving import PdParams, model_params
 
         p = model_params(PdParams, args)
         prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
         decode = GrpcClient(p.decode_url) if p.decode_url else BlsClient()
+        # every cancel pass of the sender doubles as the fence that lets finished BLS streams go
+        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
-                                         decode_model=p.decode_model)
-        self._init_metrics(args)
+                                         decode_model=p.decode_model, max_streams=p.max_inflight)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool]) -> RunStats:
-        from rngd_pd.triton.clients import RETIRED
-
-        # every cancel check doubles as the fence that lets finished BLS streams go (clients.py)
-        return self.orchestrator.run(ids, params, stream, emit, lambda: RETIRED.fenced(cancelled))
+        return self.orchestrator.run(ids, params, stream, emit, cancelled)
 
     def finalize(self) -> None:
         from rngd_pd.triton.clients import RETIRED
 
-        RETIRED.drain()
         super().finalize()
+        self.orchestrator.close()
+        RETIRED.drain()
 
 
 class ColocatedModel(_GenerationModel):
@@ -103,13 +121,12 @@ class ColocatedModel(_GenerationModel):
         p = model_params(ColocatedParams, args)
         self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, kv_torch_dtype(p.kv_dtype),
                                       p.chunk_size or None)
-        self._init_metrics(args)
+        self._init_serving(args, p.max_inflight, p.max_queue)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool]) -> RunStats:
         import time
 
-        from rngd_pd import errors
         from rngd_pd.triton.inputs import new_key
 
         stats = RunStats(new_key(), time.monotonic())
@@ -129,5 +146,5 @@ class ColocatedModel(_GenerationModel):
         return stats
 
     def finalize(self) -> None:
-        self.engine.close()
         super().finalize()
+        self.engine.close()

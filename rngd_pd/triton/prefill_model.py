@@ -73,7 +73,8 @@ class PrefillModel:
             return pbutils.error_response(exc)
         self.metrics.record_kv_transfer(push_s, self.transport_name)
         return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
-                                                 T.KV_HANDLE: handle.to_json()})
+                                                 T.KV_HANDLE: handle.to_json},
+                                     pbutils.requested_outputs(request))
 
     def finalize(self) -> None:
         self.service.close()

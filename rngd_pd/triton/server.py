@@ -206,6 +206,13 @@ class ServerConfig:
                 setattr(self, name, free_port(self.host))
 
 
+# The Python backend's thread pool runs every BLS call and response send; a BLS call to a decoupled
+# model holds a thread until its first response. pd runs up to its max_inflight (32) requests at once,
+# each holding two (prefill and decode), so the default of 32 threads could wedge prefill behind
+# decode calls that wait for it. This leaves room for those plus sends and direct callers.
+PYTHON_THREAD_POOL = 2 * 32 + 32
+
+
 def build_command(install: TritonInstall, backend_dir: Path, cfg: ServerConfig) -> list[str]:
     """The tritonserver argv for `cfg` (addresses bound to cfg.host, 127.0.0.1 by default)."""
     cmd = [
@@ -217,6 +224,7 @@ def build_command(install: TritonInstall, backend_dir: Path, cfg: ServerConfig) 
         f"--metrics-address={cfg.host}", f"--metrics-port={cfg.metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={cfg.exit_timeout_s}",
+        f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL}",
         f"--log-verbose={cfg.log_verbose}",
     ]
     if cfg.config_name:

@@ -1,16 +1,13 @@
 """What the repository's model.py files share: their parameter dataclasses, loading a model on the
-configured device, and the decoupled-request skeleton (every request ends with exactly one final
-response, also on error; `execute` never raises and never blocks on generation).
+configured device, and reading a request's inputs.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rngd_pd import errors
 from rngd_pd.triton import pbutils
 from rngd_pd.triton.params import (
     ENV_DECODE_URL,
@@ -44,6 +41,8 @@ class ColocatedParams(ServingParams):
     num_slots: int = param(8, help="concurrent decode streams per instance")
     max_len: int = param(4096, help="longest prompt + max_tokens")
     chunk_size: int = param(512, help="prefill chunk (0 = whole prompt)")
+    max_inflight: int = param(32, help="requests run at once (one worker thread each, a fixed pool)")
+    max_queue: int = param(64, help="requests waiting for a worker before CapacityError")
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,10 @@ class PdParams:
                                    help="gRPC host:port of a tritonserver with decode (empty: BLS here)")
     prefill_model: str = param("prefill", help="name of the prefill model")
     decode_model: str = param("decode", help="name of the decode model")
+    # Each running request holds up to two of the Python backend's pool threads (its prefill and its
+    # decode BLS call wait on them), so `rngd-pd serve` sizes thread-pool-size from this.
+    max_inflight: int = param(32, help="requests orchestrated at once (fixed pools of workers)")
+    max_queue: int = param(64, help="requests waiting for a worker before CapacityError")
 
 
 @dataclass(frozen=True)
@@ -105,23 +108,6 @@ def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
     pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
                 "warn" if choice.warning else "info")
     return load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
-
-
-def run_decoupled(request: Any, work: Callable[[Any, Any], None], name: str) -> threading.Thread:
-    """Run `work(request, sender)` on its own thread; an exception becomes the one final error response."""
-    sender = request.get_response_sender()
-
-    def target() -> None:
-        try:
-            work(request, sender)
-        except BaseException as exc:  # every request ends with exactly one final response
-            if not isinstance(exc, errors.RngdPdError | ValueError):
-                pbutils.log(f"{name}: unexpected {exc!r}", "error")
-            pbutils.send_error(sender, exc)
-
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    return thread
 
 
 def getter(request: Any) -> Callable[[str], Any]:

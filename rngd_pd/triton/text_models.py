@@ -99,7 +99,7 @@ class PreprocessModel(_TokenizerModel):
                 raise errors.ConfigError("the prompt encodes to no tokens")
         except Exception as exc:
             return pbutils.error_response(exc)
-        return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids})
+        return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids}, pbutils.requested_outputs(request))
 
 
 class PostprocessModel(_TokenizerModel):
@@ -115,7 +115,8 @@ class PostprocessModel(_TokenizerModel):
         except Exception as exc:
             return pbutils.error_response(exc)
         return pbutils.make_response(POSTPROCESS_SPEC, {T.TEXT_OUTPUT: text, T.OUTPUT_IDS: ids,
-                                                        T.FINISH_REASON: reason})
+                                                        T.FINISH_REASON: reason},
+                                     pbutils.requested_outputs(request))
 
 
 def _ints(array: Any) -> list[int]:

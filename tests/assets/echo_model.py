@@ -41,17 +41,19 @@ class TritonPythonModel:
         ids = pbutils.input_ids(request, "input_ids")
         if not ids or min(ids) < 0:
             raise ConfigError("input_ids must be a non-empty list of token ids >= 0")
+        wanted = pbutils.requested_outputs(request)
         t0 = time.monotonic()
         ttft = 0.0
         for n, token in enumerate(ids):
             time.sleep(self.params.delay_ms / 1e3)
-            pbutils.send(sender, pbutils.make_response(SPEC, {"output_ids": [token], "finish_reason": ""}))
+            outputs = {"output_ids": [token], "finish_reason": ""}
+            pbutils.send(sender, pbutils.make_response(SPEC, outputs, wanted))
             if n == 0:
                 ttft = time.monotonic() - t0
         self.metrics.record_request(ttft, len(ids), time.monotonic() - t0)
         self.metrics.record_kv_transfer(0.002, self.params.kv_transport)
         final = {"output_ids": [], "finish_reason": "length"}
-        pbutils.send(sender, pbutils.make_response(SPEC, final), final=True)
+        pbutils.send(sender, pbutils.make_response(SPEC, final, wanted), final=True)
 
     def finalize(self) -> None:
         self.metrics.sink.close()

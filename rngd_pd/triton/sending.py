@@ -1,0 +1,165 @@
+"""One response sender per model instance, as NVIDIA's own decoupled backends do it.
+
+`ResponseLoop` owns one thread that builds and sends every response of its model instance and checks
+the live requests' `is_cancelled()` at a bounded rate (one pass every `poll_s`, however many requests
+or tokens there are). Request workers and engine threads only put outputs on its queue, so:
+
+* no engine or scheduler thread ever waits on Triton's IPC to send a token;
+* each response is built from exactly the receiver's requested outputs (`pbutils.make_response`),
+  on one thread that holds the GIL, and every request gets exactly one final response, even when a
+  worker sends after it (ignored) or never sends one (`ResponseLoop.close` fails what is left);
+* a cancelled request is noticed once per pass: its `Stream.cancelled` event is set and its
+  `on_cancel` hook runs on the loop thread (keep it quick: flag work, do not wait for it).
+
+`fence` wraps each cancel pass (a run of blocking round trips to Triton's parent process); pd passes
+`clients.RETIRED.fenced` there, which lets finished BLS iterators go only after such a round trip.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rngd_pd import errors
+from rngd_pd.triton import pbutils
+from rngd_pd.triton.tensors import ModelSpec
+
+POLL_S = 0.1  # how often the live requests' cancel flags are read (each read is an IPC round trip)
+_STOP = object()
+
+
+class Stream:
+    """One decoupled request as its workers see it: send outputs, fail it, see whether it was cancelled.
+
+    Thread-safe: any thread may call `send` / `fail`; the loop sends in call order.
+    """
+
+    def __init__(self, loop: ResponseLoop, request: Any, spec: ModelSpec, ident: int) -> None:
+        self._loop, self.request, self.spec, self.ident = loop, request, spec, ident
+        self.sender = request.get_response_sender()
+        self.requested = pbutils.requested_outputs(request)
+        self.cancelled = threading.Event()
+        self.on_cancel: Callable[[], None] | None = None
+        self.done = False  # the final response went out (loop thread only)
+
+    def send(self, outputs: Mapping[str, Any], final: bool = False) -> None:
+        """Queue one response carrying `outputs` ({name: value}); `final` closes the request."""
+        self._loop.put(self, outputs, final)
+
+    def fail(self, exc: BaseException) -> None:
+        """Queue the request's final response: the error for `exc`."""
+        self._loop.put(self, exc, True)
+
+
+class ResponseLoop:
+    """The sender thread of one model instance (see the module docstring)."""
+
+    def __init__(self, name: str, poll_s: float = POLL_S,
+                 fence: Callable[[Callable[[], None]], Any] | None = None) -> None:
+        self.name, self.poll_s = name, poll_s
+        self._fence = fence or (lambda probe: probe())
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live: dict[int, Stream] = {}
+        self._ids = itertools.count()
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
+        self._thread.start()
+
+    def open(self, request: Any, spec: ModelSpec) -> Stream:
+        """Register a new decoupled request (call from `execute`)."""
+        stream = Stream(self, request, spec, next(self._ids))
+        with self._lock:
+            self._live[stream.ident] = stream
+        return stream
+
+    def put(self, stream: Stream, payload: Mapping[str, Any] | BaseException, final: bool) -> None:
+        self._queue.put((stream, payload, final))
+
+    def live(self) -> int:
+        """Requests registered and not yet finished."""
+        with self._lock:
+            return len(self._live)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, fail every request still open, stop the thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_poll = time.monotonic() + self.poll_s
+        while True:
+            try:
+                item = self._queue.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._fail_open()
+                return
+            if item is not None:
+                self._deliver(*item)
+            if time.monotonic() >= next_poll:
+                self._poll()
+                next_poll = time.monotonic() + self.poll_s
+
+    def _deliver(self, stream: Stream, payload: Mapping[str, Any] | BaseException, final: bool) -> None:
+        if stream.done:
+            return  # one final response per request; later sends (a cancel race) are dropped
+        try:
+            if isinstance(payload, BaseException):
+                response = pbutils.error_response(payload)
+            else:
+                response = pbutils.make_response(stream.spec, payload, stream.requested)
+            pbutils.send(stream.sender, response, final=final)
+            self.sent += 1
+        except Exception as exc:  # the client is gone or Triton refused: stop the request's work
+            pbutils.log(f"{self.name}: sending a response failed ({exc}); ending the request", "verbose")
+            final = True
+            self._cancel(stream)
+        if final:
+            stream.done = True
+            with self._lock:
+                self._live.pop(stream.ident, None)
+
+    def _poll(self) -> None:
+        with self._lock:
+            streams = [s for s in self._live.values() if not s.cancelled.is_set()]
+
+        def probe() -> None:
+            for s in streams:
+                if s.request.is_cancelled():
+                    self._cancel(s)
+
+        if streams:
+            try:
+                self._fence(probe)
+            except Exception as exc:
+                pbutils.log(f"{self.name}: reading cancel flags failed: {exc}", "warn")
+
+    def _cancel(self, stream: Stream) -> None:
+        if stream.cancelled.is_set():
+            return
+        stream.cancelled.set()
+        if stream.on_cancel is not None:
+            try:
+                stream.on_cancel()
+            except Exception as exc:
+                pbutils.log(f"{self.name}: cancelling a request failed: {exc}", "warn")
+
+    def _fail_open(self) -> None:
+        while True:  # what workers queued before close still goes out, in order
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                self._deliver(*item)
+        with self._lock:
+            left = list(self._live.values())
+        for s in left:
+            self._deliver(s, errors.RngdPdError("the model is shutting down; retry the request"), True)

@@ -6,6 +6,8 @@ name the request it belongs to. Messages say what happened and what to do about 
 
 from __future__ import annotations
 
+import re
+
 
 class RngdPdError(Exception):
     """Base of every error this package raises on purpose."""
@@ -14,10 +16,13 @@ class RngdPdError(Exception):
         super().__init__(message)
         self.key = key
 
+    @property
+    def message(self) -> str:
+        """The message without the request key."""
+        return str(self.args[0]) if self.args else ""
+
     def __str__(self) -> str:
-        msg = super().__str__()
-        prefix = f"[request {self.key}] "
-        return msg if not self.key or msg.startswith(prefix) else prefix + msg  # once, after a hop too
+        return f"[request {self.key}] {self.message}" if self.key else self.message
 
 
 class ConfigError(RngdPdError, ValueError):
@@ -58,3 +63,31 @@ class TransportIntegrityError(TransportError):
 
 class TransportCapacityError(TransportError):
     """The transport's storage (/dev/shm, relay memory cap, NIXL arena) is full."""
+
+
+# ---------------------------------------------------------------- across Triton hops
+#
+# Triton 2.51 delivers every error of a BLS call as INTERNAL with only its message, and gRPC clients get
+# a status code and a message too; so an error's type and request key travel inside the message, in one
+# format written and read only here:  "TypeName: [request KEY] message".
+
+_WIRE = re.compile(r"(?:^|\s)([A-Z][A-Za-z]*(?:Error|Cancelled)): (?:\[request ([^\]\s]+)\] )?(.*)", re.S)
+
+
+def to_wire(exc: BaseException) -> str:
+    """The message that carries `exc` through Triton (see `from_wire`)."""
+    key = getattr(exc, "key", None)
+    message = exc.message if isinstance(exc, RngdPdError) else str(exc)
+    return f"{type(exc).__name__}: " + (f"[request {key}] " if key else "") + message
+
+
+def from_wire(text: str, default: type[RngdPdError] = RngdPdError) -> RngdPdError:
+    """Our exception back from a message `to_wire` wrote, wherever Triton put it in its own text (an
+    ensemble or a gRPC status may prefix it); an unknown or missing type keeps the whole text in
+    `default`."""
+    match = _WIRE.search(text.strip())
+    if match:
+        cls = globals().get(match.group(1))
+        if isinstance(cls, type) and issubclass(cls, RngdPdError):
+            return cls(match.group(3), key=match.group(2))
+    return default(text.strip())

@@ -16,7 +16,7 @@ import pytest
 from rngd_pd import errors
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import tensors as T
-from rngd_pd.triton.inputs import remote_error, sampling_inputs, sampling_params
+from rngd_pd.triton.inputs import sampling_inputs, sampling_params
 from rngd_pd.triton.orchestrator import CONTEXT, Chunk, Orchestrator
 
 
@@ -162,12 +162,19 @@ def test_empty_prompt_and_bad_params_fail_before_any_call() -> None:
 
 
 def test_error_types_survive_a_hop_through_triton() -> None:
-    err = remote_error("TransportTimeoutError: [request k1] KV transport 'tcp': blob 3 did not arrive")
-    assert isinstance(err, errors.TransportTimeoutError) and "tcp" in str(err)
+    sent = errors.TransportTimeoutError("KV transport 'tcp': blob 3 did not arrive", key="k1")
+    err = errors.from_wire(errors.to_wire(sent))
+    assert type(err) is errors.TransportTimeoutError and err.key == "k1" and err.message == sent.message
     err.key = "k1"  # pd names the request again: the text still says it once
     assert str(err).count("[request k1]") == 1
-    assert isinstance(remote_error("in ensemble 'llm', ConfigError: bad"), errors.RngdPdError)
-    assert type(remote_error("something else")) is errors.RngdPdError
+    assert errors.from_wire(errors.to_wire(err)).key == "k1"  # a second hop keeps it too
+    wrapped = errors.from_wire("in ensemble 'llm', ContextLengthError: [request k2] too long")
+    assert type(wrapped) is errors.ContextLengthError
+    assert (wrapped.key, wrapped.message) == ("k2", "too long")
+    assert type(errors.from_wire("something else")) is errors.RngdPdError
+    assert type(errors.from_wire("ValueError: not ours")) is errors.RngdPdError
+    plain = errors.from_wire(errors.to_wire(ValueError("bad")))
+    assert type(plain) is errors.RngdPdError and "bad" in str(plain)
 
 
 def test_sampling_params_round_trip_through_tensors() -> None:

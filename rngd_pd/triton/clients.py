@@ -1,7 +1,7 @@
 """Two ways to reach a model for the orchestrator: BLS inside this tritonserver, tritonclient gRPC outside.
 
 Both satisfy `rngd_pd.triton.orchestrator.ModelClient` and turn an error response back into our own
-exception type (`inputs.remote_error`), so pd's error names the transport whichever way it came.
+exception type (`errors.from_wire`), so pd's error names the transport whichever way it came.
 
 Triton 2.51 facts this leans on: `exec(decoupled=True)` blocks until the first response arrives (so the
 orchestrator drives decode from its own thread), async BLS is unsupported in decoupled models, and a
@@ -28,7 +28,6 @@ import numpy as np
 
 from rngd_pd import errors
 from rngd_pd.triton import pbutils
-from rngd_pd.triton.inputs import remote_error
 
 STREAM_TIMEOUT_S = 600.0  # no response from a remote decode for this long fails the request
 
@@ -91,7 +90,7 @@ class BlsClient:
         """The response's tensors as arrays of our own (copies of a few ids per response), so nothing
         pd keeps for later references a tensor the stub owns (see the module docstring)."""
         if response.has_error():
-            raise remote_error(response.error().message())
+            raise errors.from_wire(response.error().message())
         return {t.name(): np.array(t.as_numpy(), copy=True) for t in response.output_tensors()}
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray],
@@ -131,7 +130,7 @@ class GrpcClient:
 
     def _fail(self, exc: Exception) -> errors.RngdPdError:
         message = exc.message() if hasattr(exc, "message") else str(exc)
-        err = remote_error(message or str(exc))
+        err = errors.from_wire(message or str(exc))
         if type(err) is errors.RngdPdError:
             err = errors.RngdPdError(f"{self.url}: {message}")
         return err

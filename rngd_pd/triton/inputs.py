@@ -3,12 +3,11 @@
 Sampling inputs arrive as optional Triton tensors; `sampling_params` turns whatever was sent into one
 validated `SamplingParams` (a bad value is a ConfigError naming the input), and `sampling_inputs` turns it
 back into tensors for the next hop (pd -> prefill / decode), so the three models read the same thing.
-Errors that crossed Triton as text come back as our own exception types through `remote_error`.
+Errors that crossed Triton as text come back as our own exception types through `errors.from_wire`.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import Callable
 
@@ -84,20 +83,3 @@ def token_ids(get: Getter, name: str = T.INPUT_IDS) -> list[int]:
 def bytes_scalar(value: object) -> str:
     """A BYTES element as str (numpy object arrays hold bytes)."""
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-_PREFIX = re.compile(r"^(?:\w+ error: )?(\w+): (.*)$", re.S)
-
-
-def remote_error(message: str, default: type[errors.RngdPdError] = errors.RngdPdError) -> errors.RngdPdError:
-    """Rebuild our exception from `TypeName: message` (how pbutils.error_message wrote it).
-
-    The type survives a hop through Triton, so pd can tell a bad parameter from a transport failure;
-    an unknown prefix keeps the whole text in `default`.
-    """
-    match = _PREFIX.match(message.strip())
-    if match:
-        cls = getattr(errors, match.group(1), None)
-        if isinstance(cls, type) and issubclass(cls, errors.RngdPdError):
-            return cls(match.group(2))
-    return default(message)

@@ -48,8 +48,7 @@ def debug_log(side: str, key: str, index: int, data: Any) -> None:
 def _named(transport: Any, exc: errors.TransportError, key: str, what: str) -> errors.TransportError:
     """The same error type, its message prefixed with the transport's name and what we were doing."""
     name = getattr(transport, "name", type(transport).__name__)
-    message = str(exc).split("] ", 1)[-1] if exc.key else str(exc)
-    return type(exc)(f"KV transport {name!r} failed to {what}: {message}", key=key)
+    return type(exc)(f"KV transport {name!r} failed to {what}: {exc.message}", key=key)
 
 
 class KVSender:

@@ -42,7 +42,7 @@ JOIN_S = 2.0
 
 
 class ModelClient(Protocol):
-    """Reaches one Triton model. Errors come back as `rngd_pd.errors` types (see inputs.remote_error)."""
+    """Reaches one Triton model. Errors come back as `rngd_pd.errors` types (see errors.from_wire)."""
 
     def infer(self, model: str, inputs: Mapping[str, np.ndarray],
               outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -131,8 +131,10 @@ def error_code(exc: BaseException) -> str:
 
 
 def error_message(exc: BaseException) -> str:
-    """`TypeName: message` so a client can tell a transport failure from a bad parameter."""
-    return f"{type(exc).__name__}: {exc}"
+    """The error's type, request key and message in one string (`errors.to_wire`), so a client (and pd
+    after a BLS hop, where 2.51 makes every error INTERNAL) can tell a transport failure from a bad
+    parameter."""
+    return errors.to_wire(exc)
 
 
 def triton_error(exc: BaseException) -> Any:

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
 from rngd_pd.model.params import SamplingParams
 
@@ -291,9 +292,10 @@ def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tu
 
 def _model_error(message: str, model: str) -> APIError:
     """An error response from the model: the request's fault (400), busy (503) or the server's (502)."""
-    if "ContextLengthError" in message or "ConfigError" in message:
+    err = errors.from_wire(message)
+    if isinstance(err, errors.ConfigError):
         return bad_request(message)
-    if "CapacityError" in message:
+    if isinstance(err, errors.CapacityError):
         return APIError(503, f"{message}; retry later", type="service_unavailable", code="server_busy")
     return APIError(
         502, f"Triton model '{model}' failed: {message}", type="server_error", code="backend_error"

@@ -28,8 +28,6 @@ import numpy as np
 import torch
 
 from rngd_pd.engine.request import (
-    FINISH_CANCELLED,
-    FINISH_ERROR,
     DecodeRequest,
     RequestState,
     TokenEvent,
@@ -37,7 +35,7 @@ from rngd_pd.engine.request import (
 )
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
 from rngd_pd.model.cache import KVCache
-from rngd_pd.model.sampling import Sampler
+from rngd_pd.model.sampling import FinishReason, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +184,7 @@ class DecodeEngine:
         for e in leftovers:
             err = RngdPdError("the decode engine stopped before the request finished; retry it",
                               key=e.req.key)
-            self._retire(e, e.state.final(FINISH_ERROR, err))
+            self._retire(e, e.state.final(FinishReason.ERROR, err))
 
     def __enter__(self) -> DecodeEngine:
         self.start()
@@ -332,7 +330,7 @@ class DecodeEngine:
                         if e.phase == Phase.QUEUED:
                             self._queue.remove(e)
                 for e in cancelled:
-                    self._retire(e, e.state.final(FINISH_CANCELLED))
+                    self._retire(e, e.state.final(FinishReason.CANCELLED))
                 for e in ready:
                     self._admit(e)
                 for b in self.buckets:
@@ -374,8 +372,8 @@ class DecodeEngine:
             err = e.load_error
             if not isinstance(err, RngdPdError):
                 err = RngdPdError(f"loading the KV failed: {err!r}", key=e.req.key)
-            reason = FINISH_CANCELLED if isinstance(err, RequestCancelled) else FINISH_ERROR
-            self._retire(e, e.state.final(reason, None if reason == FINISH_CANCELLED else err))
+            reason = FinishReason.CANCELLED if isinstance(err, RequestCancelled) else FinishReason.ERROR
+            self._retire(e, e.state.final(reason, None if reason == FinishReason.CANCELLED else err))
             return
         assert e.bucket is not None
         if not e.state.token_ids:  # the first token came with the KV
@@ -383,7 +381,7 @@ class DecodeEngine:
                 ev = self._first(e, int(e.req.first_token))  # type: ignore[arg-type]
             except Exception as ex:
                 err = RngdPdError(f"first token: {ex!r}", key=e.req.key)
-                self._retire(e, e.state.final(FINISH_ERROR, err))
+                self._retire(e, e.state.final(FinishReason.ERROR, err))
                 return
             if ev.finished:
                 self._retire(e, None)
@@ -404,7 +402,7 @@ class DecodeEngine:
             log.exception("decode step failed for %d requests", len(rows))
             for e in rows:
                 err = RngdPdError(f"decode step failed: {ex!r}", key=e.req.key)
-                self._retire(e, e.state.final(FINISH_ERROR, err))
+                self._retire(e, e.state.final(FinishReason.ERROR, err))
             return
         t1 = time.perf_counter()
         for i, e in enumerate(rows):
@@ -415,7 +413,7 @@ class DecodeEngine:
                 ev = e.state.advance(tok)
             except Exception as ex:
                 log.exception("sampling failed")
-                self._retire(e, e.state.final(FINISH_ERROR, RngdPdError(f"sampling failed: {ex!r}")))
+                self._retire(e, e.state.final(FinishReason.ERROR, RngdPdError(f"sampling failed: {ex!r}")))
                 continue
             if ev.finished:
                 self._retire(e, ev)

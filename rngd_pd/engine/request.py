@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rngd_pd.errors import ConfigError, ContextLengthError
-from rngd_pd.model.sampling import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams, StopChecker
+from rngd_pd.model.sampling import FinishReason, SamplingParams, StopChecker
 
 if TYPE_CHECKING:
     import torch
 
-FINISH_CANCELLED = "cancelled"
-FINISH_ERROR = "error"
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ class TokenEvent:
     token_id: int | None
     text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "length" | "stop" | "eos" | "cancelled" | "error"
+    finish_reason: FinishReason | None = None
     error: BaseException | None = None
 
 
@@ -110,12 +108,12 @@ class RequestState:
         """Account for one new token; the returned event says whether the request is done."""
         self.token_ids.append(token)
         if token in self.eos:
-            return self._finish(token, FINISH_EOS, "")
+            return self._finish(token, FinishReason.EOS, "")
         text, stopped = self.stop.push(self.decoder.push(token))
         if stopped:
-            return self._finish(token, FINISH_STOP, text)
+            return self._finish(token, FinishReason.STOP, text)
         if len(self.token_ids) >= self.params.max_tokens:
-            return self._finish(token, FINISH_LENGTH, text)
+            return self._finish(token, FinishReason.LENGTH, text)
         self.text_parts.append(text)
         return TokenEvent(self.key, token, text)
 
@@ -125,11 +123,11 @@ class RequestState:
         return TokenEvent(self.key, None, "", True, reason, error)
 
     def _finish(self, token: int, reason: str, text: str) -> TokenEvent:
-        if reason != FINISH_STOP:
+        if reason != FinishReason.STOP:
             tail, stopped = self.stop.push(self.decoder.flush())
             text += tail
             if stopped:
-                reason = FINISH_STOP
+                reason = FinishReason.STOP
             else:
                 text += self.stop.flush()
         self.text_parts.append(text)

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 from rngd_pd.errors import ConfigError
 
-FINISH_LENGTH = "length"
-FINISH_STOP = "stop"
-FINISH_EOS = "eos"
+
+class FinishReason(StrEnum):
+    """Why a request ended: the one set of names every part uses (engine events, the `finish_reason`
+    tensor of decode / pd / llm, the front end); a StrEnum, so each is also its wire string."""
+
+    LENGTH = "length"        # max_tokens reached
+    STOP = "stop"            # a stop string matched
+    EOS = "eos"              # the model ended it (an end-of-sequence token)
+    CANCELLED = "cancelled"  # the client (or pd, after a failure) cancelled it
+    ERROR = "error"          # it failed; the error travels with it
 
 
 @dataclass(frozen=True)

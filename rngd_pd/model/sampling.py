@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from rngd_pd.model.params import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, SamplingParams
+from rngd_pd.model.params import FinishReason, SamplingParams
 from rngd_pd.model.stopping import StopChecker
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Sampler", "SamplingParams", "StopChecker"]
+__all__ = ["FinishReason", "Sampler", "SamplingParams", "StopChecker"]
 
 
 class Sampler:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.engine.request import FINISH_CANCELLED, FINISH_ERROR, DecodeRequest, TokenEvent
+from rngd_pd.engine.request import DecodeRequest, TokenEvent
 from rngd_pd.kv.handle import KVSpec
+from rngd_pd.model.params import FinishReason
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton.kv_io import KVReceiver
 from rngd_pd.triton.params import kv_torch_dtype
@@ -80,11 +81,11 @@ class DecodeService:
         def on_event(ev: TokenEvent) -> None:
             ids = [] if ev.token_id is None or not seen_first[0] else [ev.token_id]
             seen_first[0] = True
-            if ev.finished and ev.finish_reason in (FINISH_CANCELLED, FINISH_ERROR):
+            if ev.finished and ev.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
                 self._release_quietly(key)  # a failed or cancelled request may have left blobs
             if ev.error is not None:
                 emit([], "", ev.error)
-            elif ev.finished and ev.finish_reason == FINISH_CANCELLED:
+            elif ev.finished and ev.finish_reason == FinishReason.CANCELLED:
                 emit([], "", errors.RequestCancelled("cancelled", key=ev.key))
             elif ids or ev.finished:
                 emit(ids, ev.finish_reason or "", None)
@@ -156,7 +157,7 @@ class DecodeModel:
                 raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
             if pbutils.input_scalar(request, T.CANCEL, False):
                 self.service.cancel(key)
-                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"}, final=True)
+                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.CANCELLED}, final=True)
                 return
             prompt_len = pbutils.input_scalar(request, T.PROMPT_LEN)
             if prompt_len is None:
@@ -177,7 +178,7 @@ class DecodeModel:
         from rngd_pd.triton import tensors as T
 
         if isinstance(exc, errors.RequestCancelled):
-            stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "cancelled"}, final=True)
+            stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.CANCELLED}, final=True)
         else:
             stream.fail(exc)
 

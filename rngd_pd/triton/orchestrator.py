@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from rngd_pd import errors
-from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.inputs import bytes_scalar, new_key, sampling_inputs
 from rngd_pd.triton.workers import RequestPool
@@ -204,9 +204,9 @@ class Orchestrator:
             ids = [int(i) for i in value.get(T.OUTPUT_IDS, np.zeros(0, np.int32)).reshape(-1)]
             reasons = value.get(T.FINISH_REASON)
             reason = bytes_scalar(reasons.reshape(-1)[0]) if reasons is not None and reasons.size else ""
-            if reason == "cancelled":
+            if reason == FinishReason.CANCELLED:
                 raise errors.RequestCancelled("decode cancelled the request", key=key)
-            if reason == "error":
+            if reason == FinishReason.ERROR:
                 raise errors.RngdPdError("decode ended the request: error", key=key)
             out.add(ids, reason)
             if reason:

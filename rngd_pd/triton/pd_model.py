@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.triton import inputs, pbutils
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.orchestrator import Chunk, ChunkEmitter, RunStats, context_len
@@ -58,13 +58,17 @@ class _GenerationModel:
 
             def emit(chunk: Chunk) -> None:
                 stream.send({T.OUTPUT_IDS: chunk.token_ids, T.FINISH_REASON: chunk.finish_reason,
-                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop}, final=chunk.final)
+                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop, T.ERROR: ""}, final=chunk.final)
 
             stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set)
         except BaseException as exc:  # every request ends with exactly one final response
             if not isinstance(exc, errors.RngdPdError | ValueError):
                 pbutils.log(f"{self.name}: unexpected {exc!r}", "error")
-            stream.fail(exc)
+            if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
+                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.ERROR, CONTEXT_IDS: [],
+                             T.STOP: [], T.ERROR: errors.to_wire(exc)}, final=True)
+            else:
+                stream.fail(exc)
             return
         self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
 

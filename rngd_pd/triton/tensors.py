@@ -35,6 +35,12 @@ KV_HANDLE = "kv_handle"
 CANCEL = "cancel"
 APPLY_CHAT_TEMPLATE = "apply_chat_template"
 CONTEXT_IDS = "context_ids"  # pd -> postprocess: the ids before this chunk, for streaming-safe text
+# Errors in band inside the llm ensemble: preprocess asks pd for them (ERRORS_IN_BAND, always true),
+# and pd then ends a failed request with a normal final response whose ERROR carries the error
+# (`errors.to_wire`, "" on every other response); postprocess turns it back into an error response.
+# A pd error response while postprocess still works on earlier tokens left 2.51's ensemble request open.
+ERRORS_IN_BAND = "errors_in_band"
+ERROR = "error"
 
 _NUMPY: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -141,10 +147,10 @@ LLM = ModelSpec(
 )
 PD = ModelSpec(
     "pd",
-    (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS),
-    # context_ids and stop (the request's stop strings, echoed) are for the stateless postprocess of
-    # the llm ensemble: a step may not mix inputs from a decoupled model and the ensemble's own inputs
-    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1)),
+    (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS, _t(ERRORS_IN_BAND, "BOOL", 1, optional=True)),
+    # context_ids, stop (the request's stop strings, echoed) and error are for the stateless postprocess
+    # of the llm ensemble: a step may not mix inputs from a decoupled model and the ensemble's own inputs
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1), _t(ERROR, "BYTES", 1)),
     decoupled=True,
     doc="BLS orchestrator: prefill + decode of one request, streams tokens",
 )
@@ -158,7 +164,7 @@ COLOCATED = ModelSpec(
 PREPROCESS = ModelSpec(
     "preprocess",
     (_t(TEXT_INPUT, "BYTES", 1), _t(APPLY_CHAT_TEMPLATE, "BOOL", 1, optional=True)),
-    (_t(INPUT_IDS, "INT32", -1),),
+    (_t(INPUT_IDS, "INT32", -1), _t(ERRORS_IN_BAND, "BOOL", 1)),
     doc="text -> token ids",
 )
 PREFILL = ModelSpec(
@@ -182,7 +188,8 @@ DECODE = ModelSpec(
 )
 POSTPROCESS = ModelSpec(
     "postprocess",
-    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True), _t(STOP, "BYTES", -1, optional=True)),
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True), _t(STOP, "BYTES", -1, optional=True),
+     _t(ERROR, "BYTES", 1, optional=True)),
     (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS),
     doc="token ids -> text",
 )

@@ -99,7 +99,8 @@ class PreprocessModel(_TokenizerModel):
                 raise errors.ConfigError("the prompt encodes to no tokens")
         except Exception as exc:
             return pbutils.error_response(exc)
-        return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids}, pbutils.requested_outputs(request))
+        return pbutils.make_response(T.PREPROCESS, {T.INPUT_IDS: ids, T.ERRORS_IN_BAND: [True]},
+                                     pbutils.requested_outputs(request))
 
 
 class PostprocessModel(_TokenizerModel):
@@ -107,6 +108,9 @@ class PostprocessModel(_TokenizerModel):
 
     def _one(self, request: Any) -> Any:
         try:
+            failed = pbutils.input_scalar(request, T.ERROR, "")
+            if failed:  # pd's error, in band (rngd_pd.triton.tensors.ERROR): the request's final answer
+                return pbutils.error_response(errors.from_wire(failed))
             ids = _ints(pbutils.input_array(request, T.OUTPUT_IDS))
             context = _ints(pbutils.input_array(request, CONTEXT_IDS))
             reason = pbutils.input_scalar(request, T.FINISH_REASON, "") or ""

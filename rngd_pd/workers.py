@@ -1,7 +1,8 @@
 """A fixed pool of request workers with an admission bound, for the work that blocks per request.
 
 pd and colocated run each request's orchestration on a worker (it waits on BLS calls, or on the
-engine's token events), and pd reads each decode stream on another. A pool's threads are all started
+engine's token events), pd reads each decode stream on another, and the decode engine pulls each
+request's KV on one of its loaders. A pool's threads are all started
 when the model instance is, and they are the only ones it ever has: the thread count of a stub does
 not change with the requests it serves. `workers` requests run at once and `max_queue` wait; past
 that a request fails at once with CapacityError (UNAVAILABLE), as a full decode queue does.

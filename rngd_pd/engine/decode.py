@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +35,7 @@ from rngd_pd.engine.request import (
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
 from rngd_pd.model.cache import KVCache
 from rngd_pd.model.sampling import FinishReason, Sampler
+from rngd_pd.workers import RequestPool
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class DecodeEngine:
         self._tombstones: dict[str, float] = {}  # keys cancelled before they were submitted -> when
         self._running = False
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: RequestPool | None = None
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "rejected": 0}
         self._times = {"model_s": 0.0, "host_s": 0.0}  # in decode_step / sampling + emitting
 
@@ -165,7 +165,7 @@ class DecodeEngine:
             if self._running:
                 return
             self._running = True
-        self._pool = ThreadPoolExecutor(self._loader_threads, thread_name_prefix="decode-kv-loader")
+        self._pool = RequestPool("decode-kv-loader", self._loader_threads, self.num_slots)
         self._thread = threading.Thread(target=self._run, name="decode-scheduler", daemon=True)
         self._thread.start()
 
@@ -179,7 +179,7 @@ class DecodeEngine:
         if self._thread is not None:
             self._thread.join()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.close()
         leftovers = [e for e in self._requests.values() if e is not None]
         for e in leftovers:
             err = RngdPdError("the decode engine stopped before the request finished; retry it",

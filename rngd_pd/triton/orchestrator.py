@@ -29,7 +29,7 @@ from rngd_pd import errors
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.inputs import bytes_scalar, new_key, sampling_inputs
-from rngd_pd.triton.workers import RequestPool
+from rngd_pd.workers import RequestPool
 
 log = logging.getLogger(__name__)
 

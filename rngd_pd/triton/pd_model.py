@@ -32,7 +32,7 @@ class _GenerationModel:
                       fence: Callable[[Callable[[], None]], Any] | None = None) -> None:
         from rngd_pd.triton.metrics import triton_metrics
         from rngd_pd.triton.sending import ResponseLoop
-        from rngd_pd.triton.workers import RequestPool
+        from rngd_pd.workers import RequestPool
 
         self.name = args.get("model_name", self.name)
         self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")

@@ -6,6 +6,7 @@ errors), metrics (airm_* families). Not a stand-in for the real models.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ SPEC = ModelSpec("echo", (TensorSpec("input_ids", "INT32", (-1,)),), TOKEN_OUTPU
 class EchoParams(params.ServingParams):
     delay_ms: float = params.param(0.0, help="sleep before each token")
     init_delay_s: float = params.param(0.0, help="sleep in initialize (a slow model load)")
+    threads: bool = params.param(False, help="stream each request from a thread of its own (Python "
+                                 "threads running while another sends: what the race needs)")
+    send_all_outputs: bool = params.param(False, help="put every output in each response, requested "
+                                          "or not: Triton 2.51 then prunes them in C++ (the crash)")
 
 
 class TritonPythonModel:
@@ -31,17 +36,23 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            sender = request.get_response_sender()
-            try:
-                self._stream(request, sender)
-            except Exception as exc:
-                pbutils.send_error(sender, exc)
+            if self.params.threads:
+                threading.Thread(target=self._one, args=(request,), daemon=True).start()
+            else:
+                self._one(request)
+
+    def _one(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._stream(request, sender)
+        except Exception as exc:
+            pbutils.send_error(sender, exc)
 
     def _stream(self, request, sender) -> None:
         ids = pbutils.input_ids(request, "input_ids")
         if not ids or min(ids) < 0:
             raise ConfigError("input_ids must be a non-empty list of token ids >= 0")
-        wanted = pbutils.requested_outputs(request)
+        wanted = SPEC.output_names if self.params.send_all_outputs else pbutils.requested_outputs(request)
         t0 = time.monotonic()
         ttft = 0.0
         for n, token in enumerate(ids):

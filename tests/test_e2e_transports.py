@@ -1,5 +1,6 @@
 """e2e: pd over the tcp relay (started here) and over nixl-ucx: the same greedy tokens as the colocated
-engine, and a relay killed mid-transfer fails only the requests in flight, naming the transport.
+engine, and a relay SIGKILLed mid-transfer fails the requests in flight (each naming the transport,
+within 30 s), and new ones succeed once a relay is back.
 
 Each server holds only prefill, decode and pd (preprocess/postprocess/llm do not depend on the
 transport and are covered by test_e2e_pd.py), which keeps the start-up short on 2 cores.
@@ -19,6 +20,7 @@ from tests.triton_harness import triton_server
 
 pytestmark = pytest.mark.e2e
 PD_OUT = ("output_ids", "finish_reason")
+IN_FLIGHT = 4  # requests needing the relay when it is killed
 
 
 def _check_tokens(server, kv_log: Path) -> None:
@@ -50,21 +52,27 @@ def test_tcp_relay_tokens_and_relay_killed_mid_transfer(tmp_path: Path) -> None:
                "RNGD_PD_KV_DEBUG_LOG": str(tmp_path / "kv.jsonl")}
         with triton_server(E.subset_repository(["prefill", "decode", "pd"]), "cpu", env) as server:
             _check_tokens(server, tmp_path / "kv.jsonl")
-            errors: list[str] = []
+            errors: dict[int, tuple[str, float]] = {}
 
-            def long_request() -> None:
+            def long_request(i: int) -> None:
                 try:
-                    E.stream_infer(server.grpc_url, "pd", E.pd_inputs([42] * 1500, max_tokens=8), PD_OUT)
+                    E.stream_infer(server.grpc_url, "pd", E.pd_inputs([42 + i] * 1500, max_tokens=8), PD_OUT)
                 except RuntimeError as exc:
-                    errors.append(str(exc))
+                    errors[i] = (str(exc), time.monotonic())
 
-            worker = threading.Thread(target=long_request)
-            worker.start()
-            time.sleep(0.5)  # prefill of 1500 tokens is pushing layers now
-            relay.stop()
-            worker.join(120)
-            assert not worker.is_alive(), "the request hung after the relay died"
-            assert errors and "tcp" in errors[0] and "Transport" in errors[0], errors
+            workers = [threading.Thread(target=long_request, args=(i,)) for i in range(IN_FLIGHT)]
+            for worker in workers:
+                worker.start()
+            time.sleep(0.5)  # the first prefill of 1500 tokens is pushing layers now, the others queue
+            relay.proc.kill()  # SIGKILL: no goodbye to any connection
+            killed = time.monotonic()
+            for worker in workers:
+                worker.join(max(0.0, killed + 120 - time.monotonic()))
+            assert not any(w.is_alive() for w in workers), "a request hung after the relay died"
+            assert sorted(errors) == list(range(IN_FLIGHT)), errors  # every one needed the relay
+            for text, ended in errors.values():
+                assert "tcp" in text and "Transport" in text, text
+                assert ended - killed < 30, f"failed only {ended - killed:.0f} s after the relay died: {text}"
             relay = start_relay(host, int(port))  # the server keeps serving once the relay is back
             text = E.PROMPTS[0]
             assert _serve_with_retries(server, text) == list(E.reference(text)[0])

@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug")
     )
+    p.add_argument(
+        "--server-status",
+        default=None,
+        metavar="FILE",
+        help="status file of `rngd-pd serve` (it passes its own): /health and every request answer 503 "
+        "while it does not say ready, e.g. while serve restarts tritonserver after a stub died",
+    )
 
 
 def config_from_args(args: argparse.Namespace):  # -> FrontendConfig (imported lazily)
@@ -68,6 +75,7 @@ def config_from_args(args: argparse.Namespace):  # -> FrontendConfig (imported l
         triton_model=args.triton_model,
         max_model_len=args.max_model_len,
         log_level=args.log_level,
+        server_status=args.server_status,
     )
 
 

@@ -5,6 +5,9 @@ variant from the devices present (`--config-name` overrides; the choice and the 
 passes model path / KV transport / KV dtype to the models as environment overrides, binds to
 127.0.0.1 by default, waits until the models are ready, prints the endpoints, and on Ctrl-C or
 SIGTERM stops everything it started (each child runs in its own process group, stubs included).
+While it runs it supervises tritonserver (rngd_pd.triton.supervisor): a model stub that died, or
+tritonserver exiting, turns the status file to `recovering` (the front end answers 503) and restarts
+tritonserver with the same command, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from rngd_pd.triton import params
@@ -68,6 +70,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="set a model parameter in every model that has it (repeatable), e.g. max_len=512")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of tritonserver (after a model's stub died) allowed within "
+                        "--restart-window; past that serve exits 1 (default 5; 0 = exit at the first "
+                        "failure)")
+    p.add_argument("--restart-window", type=float, default=600.0,
+                   help="seconds over which --max-restarts counts (default 600)")
+    p.add_argument("--status-file", type=Path, default=None,
+                   help="where serve keeps its JSON status (ready/recovering/failed, reason, restarts) for "
+                        "the front end and exec probes (default: a file in a temporary folder)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--print-command", action="store_true",
                    help="print the equivalent tritonserver shell command and exit")
@@ -114,6 +125,8 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return f"--param takes NAME=VALUE, got {', '.join(bad)}"
     if args.role == "gateway" and not (args.prefill_url and args.decode_url):
         return "--role gateway needs --prefill-url and --decode-url (gRPC host:port of the other servers)"
+    if args.max_restarts < 0 or args.restart_window <= 0:
+        return "--max-restarts must be >= 0 and --restart-window > 0"
     if args.kv_transport:
         from rngd_pd.kv.registry import known_names
 
@@ -128,13 +141,15 @@ def _usable_devices() -> set[str]:
     return {row.kind for row in probe_devices() if row.available}
 
 
-def _frontend_argv(args: argparse.Namespace, grpc_url: str) -> list[str]:
+def _frontend_argv(args: argparse.Namespace, grpc_url: str, status: Path | None = None) -> list[str]:
     argv = [sys.executable, "-m", "rngd_pd.cli", "frontend", "--triton-url", grpc_url,
             "--host", args.host, "--port", str(args.openai_port)]
+    argv += ["--server-status", str(status)] if status is not None else []
     return argv + (["--model", args.model] if args.model else [])
 
 
-def _start_frontend(args: argparse.Namespace, grpc_url: str) -> subprocess.Popen | None:
+def _start_frontend(args: argparse.Namespace, grpc_url: str,
+                    status: Path | None = None) -> subprocess.Popen | None:
     """The OpenAI front end as a child process (`rngd-pd frontend`), or None when unavailable/disabled."""
     import importlib.util
 
@@ -147,7 +162,7 @@ def _start_frontend(args: argparse.Namespace, grpc_url: str) -> subprocess.Popen
         from rngd_pd.triton.server import free_port
 
         args.openai_port = free_port(args.host)
-    return subprocess.Popen(_frontend_argv(args, grpc_url), start_new_session=True,
+    return subprocess.Popen(_frontend_argv(args, grpc_url, status), start_new_session=True,
                             stdin=subprocess.DEVNULL)
 
 
@@ -167,14 +182,15 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen, stop: threading.Eve
     return False
 
 
-def _wait_for_exit(children: Sequence[subprocess.Popen], stop: threading.Event) -> int:
-    """Block until a signal arrives (0) or a child exits (its code, or 1)."""
-    while not stop.wait(0.2):
-        for child in children:
-            code = child.poll()
-            if code is not None:
-                print(f"serve: {Path(child.args[0]).name} exited with code {code}; stopping", flush=True)
-                return code or 1
+def _supervise(supervisor, frontend: subprocess.Popen | None, stop: threading.Event) -> int:
+    """Until a signal (0), the front end exiting (its code, or 1) or the supervisor giving up (1)."""
+    while not stop.wait(supervisor.poll_s):
+        if frontend is not None and (code := frontend.poll()) is not None:
+            print(f"serve: the OpenAI front end exited with code {code}; stopping", flush=True)
+            return code or 1
+        code = supervisor.step()
+        if code is not None:
+            return code
     return 0
 
 
@@ -194,42 +210,66 @@ def run(args: argparse.Namespace) -> int:
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in models)) if models else ()
     cfg = ServerConfig(repository, config_name, args.host, args.http_port, args.grpc_port, args.metrics_port,
                        env=model_env(args), log_verbose=args.log_verbose, extra_args=extra)
+    from rngd_pd.triton.supervisor import StubWatch
+
+    watch = StubWatch()
     try:
-        server = TritonServer(cfg)
+        server = TritonServer(cfg, on_line=watch.log_line)
     except TritonServerError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1
     if args.print_command:
         print(shell_command(server.command, server.env, (*SHOWN_ENV, *cfg.env)))
         return 0
-    return _serve(args, server)
+    return _serve(args, server, watch)
 
 
-def _serve(args: argparse.Namespace, server) -> int:
+def _serve(args: argparse.Namespace, server, watch) -> int:
+    import shutil
+    import tempfile
+
     from rngd_pd.triton.server import TritonServerError, stop_process_group
+    from rngd_pd.triton.supervisor import ENV_RESTARTS, FAILED, STARTING, STOPPING, RestartPolicy, Supervisor
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    own_dir = None if args.status_file else Path(tempfile.mkdtemp(prefix="rngd-pd-serve-"))
+    status = (args.status_file or own_dir / "status.json").resolve()  # type: ignore[operator]
+    status.parent.mkdir(parents=True, exist_ok=True)
+    supervisor = Supervisor(server, status, stop, RestartPolicy(args.max_restarts, args.restart_window),
+                            ready_timeout_s=args.ready_timeout, watch=watch)
     frontend = None
+    code = 1
     try:
+        supervisor.set_status(STARTING, "loading the models")
+        print(f"serve: status file {status}", flush=True)
         t0 = time.monotonic()
+        server.cfg.env[ENV_RESTARTS] = "0"  # the models can tell a restarted server from the first one
         server.start()
         try:
             server.wait_ready(args.ready_timeout, cancel=stop)
         except TritonServerError as exc:
             print(f"serve: {exc}", file=sys.stderr)
+            supervisor.set_status(FAILED, str(exc).splitlines()[0])
             return 0 if stop.is_set() else 1
-        print(f"serve: ready in {time.monotonic() - t0:.1f} s", flush=True)
+        stubs = supervisor.watching()
+        print(f"serve: ready in {time.monotonic() - t0:.1f} s; watching {len(stubs)} model stubs "
+              f"({', '.join(f'{s.instance} pid {s.pid}' for s in stubs) or 'none'})", flush=True)
         print(f"serve: triton http {server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}",
               flush=True)
-        frontend = _start_frontend(args, server.grpc_url)
+        frontend = _start_frontend(args, server.grpc_url, status)
         if frontend is not None and _wait_port(args.host, args.openai_port, frontend, stop):
             print(f"serve: openai http://{args.host}:{args.openai_port}/v1", flush=True)
-        return _wait_for_exit([c for c in (server.proc, frontend) if c is not None], stop)
+        code = _supervise(supervisor, frontend, stop)
+        return code
     finally:
+        if code == 0:
+            supervisor.set_status(STOPPING)
         if frontend is not None:
             stop_process_group(frontend, grace_s=10.0)
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
         print("serve: stopped", flush=True)

@@ -146,7 +146,17 @@ def create_app(
         from rngd_pd.frontend.served_model import load_served_model
 
         model = load_served_model(config)
-    state = FrontendState(config, model, backend or TritonBackend(config.triton_url, config.triton_model))
+    backend = backend or TritonBackend(config.triton_url, config.triton_model)
+    status = None
+    if config.server_status:  # under `rngd-pd serve`: its status file says ready first
+        from rngd_pd.frontend.supervised import SupervisedBackend
+        from rngd_pd.triton.supervisor import StatusReader
+
+        status = StatusReader(config.server_status)
+        backend = SupervisedBackend(backend, status)
+    state = FrontendState(config, model, backend)
+    if status is not None:
+        state.metrics.watch_server(status)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -201,7 +211,8 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(request: Request) -> Any:
-        """200 only when Triton and the served model are ready."""
+        """200 only when Triton and the served model are ready (and, under `rngd-pd serve`, serve's
+        status says ready: 503 naming what failed while it restarts tritonserver)."""
         reason = await _state(request).backend.ready()
         if reason is None:
             await _state(request).context_model()  # Triton may have come up since start-up

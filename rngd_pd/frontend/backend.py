@@ -91,7 +91,10 @@ class TritonBackend:
 
     def _get_stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._stub is None:  # created lazily: a grpc.aio channel belongs to the running loop
-            opts = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30)]
+            # reconnect within 2 s of Triton coming back (gRPC's default back-off grows to 120 s,
+            # which kept a restarted server unreachable long after it was ready)
+            opts = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30),
+                    ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
             self._channel = grpc.aio.insecure_channel(self.url, options=opts)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub

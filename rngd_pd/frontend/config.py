@@ -29,6 +29,7 @@ class FrontendConfig:
     triton_model: str = "pd"
     max_model_len: int | None = None
     log_level: str = "warning"
+    server_status: str | None = None  # serve's status file (rngd_pd.triton.supervisor): 503 unless ready
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting."""
@@ -76,4 +77,6 @@ class FrontendConfig:
             argv += ["--served-model-name", self.served_model_name]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
+        if self.server_status:
+            argv += ["--server-status", self.server_status]
         return argv

@@ -13,6 +13,7 @@ from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 WINDOW = 512
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -113,5 +114,33 @@ class FrontendMetrics:
         span = rows[-1][0] - rows[0][0]
         return sum(r[3] for r in rows[1:]) / span if span > 0 else 0.0
 
+    def watch_server(self, status) -> None:
+        """Export serve's restart count and readiness from its status file (a supervisor.StatusReader)."""
+        self.registry.register(_ServerCollector(status))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ServerCollector:
+    """`rngd_pd_server_restarts_total` and `rngd_pd_server_ready`, read from serve's status file."""
+
+    def __init__(self, status) -> None:
+        self.status = status
+
+    def describe(self):
+        return []  # collected on each scrape only: the file changes under us
+
+    def collect(self):
+        current = self.status.current()
+        restarts = CounterMetricFamily(
+            "rngd_pd_server_restarts",
+            "Times rngd-pd serve restarted tritonserver (a model's stub died, or tritonserver exited)",
+        )
+        restarts.add_metric([], current.restarts)
+        ready = GaugeMetricFamily(
+            "rngd_pd_server_ready",
+            "1 when rngd-pd serve says tritonserver answers; 0 while it starts or recovers",
+        )
+        ready.add_metric([], 1.0 if current.ready else 0.0)
+        return [restarts, ready]

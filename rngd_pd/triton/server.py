@@ -8,7 +8,8 @@ The pieces `rngd-pd serve`, the test harness and `--print-command` share:
 * `server_env()`: LD_LIBRARY_PATH for the bundled libraries, and PATH / PYTHONPATH / VIRTUAL_ENV so the
   stub process imports rngd_pd and torch from this environment.
 * `TritonServer`: starts tritonserver in its own process group (the stubs are its children), waits for
-  readiness with a bounded timeout, and stops the whole group, so no stub outlives it.
+  readiness with a bounded timeout, and stops the whole group, so no stub outlives it; with `on_line`
+  its output passes through this process line by line (serve's supervisor reads the log that way).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -251,12 +252,15 @@ class TritonServer:
     """
 
     def __init__(self, cfg: ServerConfig, install: TritonInstall | None = None,
-                 log: Path | IO[bytes] | None = None, cache: Path | None = None) -> None:
+                 log: Path | IO[bytes] | None = None, cache: Path | None = None,
+                 on_line: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.install = install or find_tritonserver()
         self.backend_dir = backend_directory(self.install, cache)
         self._log = log
         self._log_file: IO[bytes] | None = None
+        self._on_line = on_line
+        self._relay: threading.Thread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -287,10 +291,28 @@ class TritonServer:
             self._log_file = out = open(self._log, "wb")  # noqa: SIM115 - closed in stop()
         elif self._log is not None:
             out = self._log
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+        relay = self._on_line is not None and out is None
+        self.proc = subprocess.Popen(self.command, env=self.env, stderr=subprocess.STDOUT,
+                                     stdout=subprocess.PIPE if relay else out,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=die_with_parent)
+        if relay:
+            self._relay = threading.Thread(target=self._relay_log, args=(self.proc.stdout,),
+                                           name="tritonserver-log", daemon=True)
+            self._relay.start()
         return self
+
+    def _relay_log(self, pipe: IO[bytes]) -> None:
+        """Copy the server's output (stubs' included) to our stdout, handing each line to `on_line`."""
+        sink = getattr(sys.stdout, "buffer", None)
+        with contextlib.suppress(OSError, ValueError):
+            for raw in pipe:
+                if sink is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        sink.write(raw)
+                        sink.flush()
+                assert self._on_line is not None
+                self._on_line(raw.decode(errors="replace"))
 
     def log_tail(self, lines: int = 12) -> str:
         """Error lines and the last lines of the server log (when it goes to a file)."""
@@ -342,6 +364,11 @@ class TritonServer:
         regions = shm_regions(self.proc.pid)
         code = stop_process_group(self.proc, grace_s)
         remove_shm_regions(regions)
+        if self._relay is not None:
+            self._relay.join(5)  # the pipe ends with the last process holding it
+            self._relay = None
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

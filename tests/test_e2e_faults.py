@@ -1,0 +1,309 @@
+"""e2e: a model stub SIGKILLed under load is noticed and recovered by `rngd-pd serve` by itself.
+
+One `rngd-pd serve --dtype fp32` (cpu config, shm transport, OpenAI front end; the repository without
+`colocated`) serves the whole module. For each of decode, prefill and pd in turn, while 8 streams run
+(3 gRPC to `pd`, 3 gRPC to `llm`, 2 through the front end with the openai SDK), that model's
+`triton_python_backend_stub` is SIGKILLed:
+
+* the front end's /health turns 503 naming the dead stub within seconds, and new requests get an
+  OpenAI-shaped 503 (`server_recovering`);
+* every in-flight request ends with an error within 30 s (the front end's name what failed);
+* without anyone touching the server, /health is 200 again within 120 s and greedy tokens equal the
+  ones served before the kill; `rngd_pd_server_restarts_total` counted the restart, and serve's log
+  says what it did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from rngd_pd.triton.server import free_port
+from rngd_pd.triton.supervisor import stub_processes
+from tests import e2e_support as E
+from tests.test_triton_serve import stop_and_reap
+from tests.triton_harness import require_tritonserver
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = E.PROMPTS[0]
+LONG = 1024  # tokens a loaded stream asks for (ignore_eos): still running when the stub is killed
+ERROR_WITHIN_S = 30.0
+RECOVER_WITHIN_S = 120.0
+START_TIMEOUT_S = float(os.environ.get("RNGD_PD_TEST_READY_TIMEOUT", "300"))
+
+
+@dataclass
+class Serve:
+    proc: subprocess.Popen
+    repo: Path
+    log: Path
+    grpc_url: str = ""
+    openai_url: str = ""
+    kills: dict[str, int] = field(default_factory=dict)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tritonserver_pid(self) -> int:
+        """The current tritonserver child of serve (it changes with every restart)."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = (entry / "stat").read_text()
+                    argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+                    if int(stat[stat.rfind(")") + 2:].split()[1]) == self.proc.pid and \
+                            argv0.endswith(b"tritonserver"):
+                        return int(entry.name)
+        raise AssertionError(f"serve {self.proc.pid} has no tritonserver child\n{self.log_text()[-3000:]}")
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc)
+
+
+def _wait_healthy(serve: Serve, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert serve.proc.poll() is None, f"serve exited\n{serve.log_text()[-4000:]}"
+        if _get(serve.openai_url + "/health")[0] == 200:
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    raise AssertionError(f"/health not 200 within {timeout:.0f} s\n{serve.log_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Serve]:
+    require_tritonserver()
+    work = Path(tempfile.mkdtemp(prefix="rngd-pd-faults-"))
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-faults-shm-",
+                                dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    repo = E.subset_repository(["llm", "preprocess", "postprocess", "pd", "prefill", "decode"])
+    ports = [free_port() for _ in range(4)]
+    argv = [sys.executable, "-m", "rngd_pd.cli", "serve", "--repository", str(repo), "--config-name", "cpu",
+            "--dtype", "fp32", "--kv-transport", "shm", "--http-port", str(ports[0]), "--grpc-port",
+            str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port", str(ports[3]),
+            "--status-file", str(work / "status.json"), "--ready-timeout", str(START_TIMEOUT_S),
+            "--max-restarts", "5", "--restart-window", "900"]
+    env = {**os.environ, "PD_SHM_ROOT": shm_root, "PYTHONUNBUFFERED": "1"}
+    log = work / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    s = Serve(proc, repo, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S + 60
+        while not (m := re.search(r"^serve: openai (http://\S+)/v1$", s.log_text(), re.M)):
+            assert proc.poll() is None and time.monotonic() < deadline, f"serve did not start\n{s.log_text()}"
+            time.sleep(0.5)
+        s.openai_url = m[1]
+        s.grpc_url = re.search(r"grpc (\S+)\s+metrics", s.log_text())[1]
+        yield s
+    finally:
+        stop_and_reap(proc, repo)
+        sys.stderr.write("--- serve log (serve lines and errors) ---\n" + "\n".join(
+            ln for ln in s.log_text().splitlines()
+            if ln.startswith(("serve:", "E1", "E0")) and "CUDA" not in ln and "CudaDriver" not in ln) + "\n")
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ clients
+
+
+@dataclass
+class Stream:
+    """One in-flight request: tokens so far, how it ended (error text or None) and when."""
+
+    name: str
+    tokens: int = 0
+    error: str | None = None
+    ended_at: float | None = None
+    first: threading.Event = field(default_factory=threading.Event)
+
+
+def _grpc_stream(url: str, model: str, values: dict, s: Stream) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, E.grpc_inputs(values), enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput("output_ids")])
+        while True:
+            result, error = responses.get(timeout=ERROR_WITHIN_S + 60)
+            if error is not None:
+                s.error = str(error)
+                return
+            out = result.as_numpy("output_ids")
+            if out is not None and out.size:
+                s.tokens += int(out.size)
+                s.first.set()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    except Exception as exc:  # recorded: the test says which stream failed how
+        s.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        s.ended_at = time.monotonic()
+        s.first.set()
+        with contextlib.suppress(Exception):
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+
+def _openai_stream(base: str, s: Stream) -> None:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=ERROR_WITHIN_S + 60)
+    try:
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, stream=True,
+                                               temperature=0, extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].text:
+                s.tokens += 1
+                s.first.set()
+    except Exception as exc:  # recorded, as above
+        s.error = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
+    finally:
+        s.ended_at = time.monotonic()
+        s.first.set()
+
+
+def _start_load(serve: Serve) -> tuple[list[Stream], list[threading.Thread]]:
+    ids = E.prompt_ids(PROMPT)
+    eos = {"ignore_eos": np.array([True])}
+    jobs = []
+    for i in range(3):
+        jobs.append((Stream(f"grpc-pd-{i}"), _grpc_stream,
+                     (serve.grpc_url, "pd", E.pd_inputs(ids, max_tokens=LONG, **eos))))
+        jobs.append((Stream(f"grpc-llm-{i}"), _grpc_stream,
+                     (serve.grpc_url, "llm", E.llm_inputs(PROMPT, max_tokens=LONG, **eos))))
+    for i in range(2):
+        jobs.append((Stream(f"openai-{i}"), _openai_stream, (serve.openai_url,)))
+    threads = []
+    for s, fn, args in jobs:
+        threads.append(threading.Thread(target=fn, args=(*args, s), name=s.name, daemon=True))
+        threads[-1].start()
+    return [s for s, _, _ in jobs], threads
+
+
+def _greedy(serve: Serve) -> tuple[list[int], str]:
+    """Greedy tokens over gRPC `pd` and the greedy text through the front end (12 tokens each)."""
+    ids = E.ids_of(E.stream_infer(serve.grpc_url, "pd", E.pd_inputs(E.prompt_ids(PROMPT)),
+                                  ("output_ids", "finish_reason"), timeout=60))
+    client = openai.OpenAI(base_url=serve.openai_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=E.MAX_TOKENS, temperature=0)
+    return ids, text.choices[0].text
+
+
+def _restarts(serve: Serve) -> int:
+    status, body = _get(serve.openai_url + "/metrics")
+    assert status == 200, body
+    return int(float(re.search(r"^rngd_pd_server_restarts_total (\S+)$", body, re.M)[1]))
+
+
+def _watch_health(serve: Serve, until: threading.Event, seen: list) -> None:
+    """Sample /health and a new request every 0.2 s: (time, health status, detail, new-request answer)."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+    while not until.is_set():
+        code, text = _get(serve.openai_url + "/health", timeout=3)
+        answer = None
+        if code == 503:
+            req = urllib.request.Request(serve.openai_url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    answer = (resp.status, resp.read().decode(), None)
+            except urllib.error.HTTPError as exc:
+                answer = (exc.code, exc.read().decode(), exc.headers.get("Retry-After"))
+            except OSError as exc:
+                answer = (0, str(exc), None)
+        seen.append((time.monotonic(), code, text, answer))
+        until.wait(0.2)
+
+
+# ------------------------------------------------------------------ the faults
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill", "pd"])
+def test_killed_stub_under_load_is_recovered(serve: Serve, victim: str) -> None:
+    _wait_healthy(serve, RECOVER_WITHIN_S)  # the previous case's recovery, if any
+    before_ids, before_text = _greedy(serve)
+    assert len(before_ids) == E.MAX_TOKENS and before_text
+    restarts = _restarts(serve)
+
+    streams, threads = _start_load(serve)
+    for s in streams:
+        assert s.first.wait(180), f"{s.name} got no token before the kill"
+    assert all(s.error is None and s.ended_at is None for s in streams), [(s.name, s.error) for s in streams]
+    stubs = {st.model: st for st in stub_processes(serve.tritonserver_pid())}
+    assert victim in stubs, stubs
+    seen: list = []
+    stop_watch = threading.Event()
+    watcher = threading.Thread(target=_watch_health, args=(serve, stop_watch, seen), daemon=True)
+    t_kill = time.monotonic()
+    os.kill(stubs[victim].pid, signal.SIGKILL)
+    watcher.start()
+    try:
+        for t in threads:
+            t.join(max(0.0, t_kill + ERROR_WITHIN_S - time.monotonic()))
+        ended = {s.name: (s.error, None if s.ended_at is None else round(s.ended_at - t_kill, 1))
+                 for s in streams}
+        print(f"\n{victim}: in-flight requests ended (error, s after the kill): {ended}")
+        late = [s.name for s in streams if s.ended_at is None or s.ended_at - t_kill > ERROR_WITHIN_S]
+        assert not late, f"still running {ERROR_WITHIN_S:.0f} s after the kill: {late}; {ended}"
+        assert all(s.error for s in streams), f"a request survived the restart without an error: {ended}"
+        named = f"stub of model {victim} (pid {stubs[victim].pid}) died"
+        for s in streams:
+            if s.name.startswith("openai"):
+                assert "The server is recovering" in s.error and named in s.error, s.error
+
+        took = _wait_healthy(serve, max(1.0, t_kill + RECOVER_WITHIN_S - time.monotonic()))
+        print(f"{victim}: /health 200 again {time.monotonic() - t_kill:.1f} s after the kill "
+              f"(waited {took:.1f} s after the streams ended)")
+    finally:
+        stop_watch.set()
+        watcher.join(15)
+
+    unhealthy = [(t - t_kill, code, text, answer) for t, code, text, answer in seen if code != 200]
+    assert unhealthy, "the front end never said it was not ready"
+    first_t, _, detail, answer = unhealthy[0]
+    assert first_t < 5.0, f"/health said 503 only {first_t:.1f} s after the kill"
+    assert named in detail and "recovering" in detail, detail
+    assert answer is not None and answer[0] == 503, answer
+    error = json.loads(answer[1])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == "server_recovering", error
+    assert named in error["message"] and answer[2] == "5", answer
+
+    after_ids, after_text = _greedy(serve)
+    assert after_ids == before_ids and after_text == before_text
+    assert _restarts(serve) == restarts + 1
+    log = serve.log_text()
+    assert f"serve: {named}; restarting tritonserver (restart {restarts + 1})" in log, log[-3000:]
+    assert "serve: tritonserver ready again in" in log
+    new = {st.model: st.pid for st in stub_processes(serve.tritonserver_pid())}
+    assert set(new) == set(stubs) and new[victim] != stubs[victim].pid

@@ -1,0 +1,341 @@
+"""serve's supervisor without a server: stub discovery on a fake /proc, failure detection, the restart
+policy, the recovery loop over a scripted server object, the status file, and the front end's 503s.
+The real thing (tritonserver, stubs SIGKILLed under load) is tests/test_e2e_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rngd_pd.frontend.api_errors import BackendUnavailable
+from rngd_pd.frontend.app import create_app
+from rngd_pd.frontend.config import FrontendConfig
+from rngd_pd.triton import supervisor as S
+from tests.frontend_fakes import FakeBackend, serve_app
+
+STUB = "/cache/triton-backends/py3.11-x/python/triton_python_backend_stub"
+SERVER = 100
+
+
+def write_proc(root: Path, pid: int, ppid: int, argv: list[str], state: str = "S", start: int = 1000,
+               comm: str = "x") -> None:
+    """A /proc/<pid> with the two files the supervisor reads (stat: 52 fields, as Linux writes them)."""
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    rest = [state, str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 30
+    (d / "stat").write_text(f"{pid} ({comm}) {' '.join(rest)}\n")
+    (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+
+
+def stub_argv(model: str, instance: str | None = None) -> list[str]:
+    return [STUB, f"/repo/{model}/1/model.py", "triton_python_backend_shm_region_1", "1048576", "1048576",
+            str(SERVER), "/cache/python", "336", instance or f"{model}_0_0", "DEFAULT"]
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    root = tmp_path / "proc"
+    write_proc(root, 1, 0, ["/sbin/init"])
+    write_proc(root, SERVER, 1, ["/venv/pytriton/tritonserver/bin/tritonserver", "--model-repository=/repo"])
+    write_proc(root, 101, SERVER, stub_argv("decode"), start=2001)
+    write_proc(root, 102, SERVER, stub_argv("pd"), start=2002, comm="triton_python) x")  # odd comm
+    write_proc(root, 104, SERVER, ["/bin/bash", "-c", "activate && exec stub"])  # execution env wrapper
+    write_proc(root, 103, 104, stub_argv("prefill"), start=2003)
+    write_proc(root, 105, SERVER, stub_argv("old_model"), state="Z")  # defunct already: not watched
+    write_proc(root, 106, 101, ["/venv/bin/python", "-c", "worker"])  # a stub's child, not a stub
+    write_proc(root, 200, 1, stub_argv("decode", "decode_0_1"))  # another server's stub
+    return root
+
+
+def test_stubs_are_the_living_descendants_of_the_server(proc: Path) -> None:
+    stubs = S.stub_processes(SERVER, proc)
+    assert [(s.pid, s.model, s.instance, s.start_time) for s in stubs] == [
+        (101, "decode", "decode_0_0", 2001), (102, "pd", "pd_0_0", 2002),
+        (103, "prefill", "prefill_0_0", 2003)]
+    assert S.stub_processes(999, proc) == []
+
+
+def test_a_stub_that_died_is_named_with_its_model_and_pid(proc: Path) -> None:
+    watch = S.StubWatch(proc)
+    assert len(watch.snapshot(SERVER)) == 3
+    assert watch.check() is None
+    shutil.rmtree(proc / "101")
+    failure = watch.check()
+    assert failure == S.Failure("died", "decode", 101)
+    assert failure.describe() == "stub of model decode (pid 101) died"
+
+
+def test_defunct_and_reused_pids_count_as_dead(proc: Path) -> None:
+    watch = S.StubWatch(proc)
+    watch.snapshot(SERVER)
+    write_proc(proc, 102, SERVER, stub_argv("pd"), state="Z", start=2002)
+    assert watch.check().describe() == "stub of model pd (pid 102) died"
+    watch.snapshot(SERVER)  # pd is gone from the watch now; a new process takes decode's pid
+    write_proc(proc, 101, 1, ["/bin/sleep", "1"], start=9999)
+    assert watch.check() == S.Failure("died", "decode", 101)
+
+
+def test_the_log_names_an_unhealthy_stub_of_this_server_only(proc: Path) -> None:
+    watch = S.StubWatch(proc)
+    watch.snapshot(SERVER)
+    watch.log_line("I1201 model.py:1] cancelling decode of request ab failed: Stub process 'decode_0_1' "
+                   "is not healthy.\n")  # not one of ours (a remote server's, seen by a gateway)
+    watch.log_line("ordinary line\n")
+    assert watch.check() is None
+    watch.log_line("RngdPdError: [request 12] Stub process 'prefill_0_0' is not healthy.\n")
+    failure = watch.check()
+    assert failure is not None and failure.model == "prefill" and failure.pid == 103
+    assert "is not healthy" in failure.describe()
+    assert watch.check() is None  # reported once
+
+
+def test_tritonserver_exit_is_a_failure_too() -> None:
+    assert S.Failure("exited with code -11").describe() == "tritonserver exited with code -11"
+
+
+def test_restart_policy_backs_off_and_gives_up_within_its_window() -> None:
+    policy = S.RestartPolicy(max_restarts=5, window_s=100.0, max_backoff_s=10.0)
+    delays = []
+    for t in range(6):
+        delays.append(policy.next_delay(float(t)))
+        if delays[-1] is not None:
+            policy.record(float(t))
+    assert delays == [0.0, 2.0, 4.0, 8.0, 10.0, None]
+    assert policy.next_delay(104.5) == 0.0  # the restarts at t=0..4 have left the window
+    assert S.RestartPolicy(max_restarts=0).next_delay(0.0) is None
+
+
+def test_status_file_round_trip_and_reader(tmp_path: Path) -> None:
+    path = tmp_path / "status.json"
+    reader = S.StatusReader(path)
+    missing = reader.current()
+    assert missing.state == S.FAILED and "cannot be read" in missing.message()
+    S.write_status(path, S.ServerStatus(S.READY, restarts=2))
+    assert reader.current().ready and reader.current().restarts == 2
+    reason = "stub of model pd (pid 7) died; restarting tritonserver (restart 3)"
+    S.write_status(path, S.ServerStatus(S.RECOVERING, reason, 3))
+    now = reader.current()
+    assert not now.ready and now.restarts == 3
+    assert now.message() == f"The server is recovering: {reason}; retry shortly"
+    assert json.loads(path.read_text())["state"] == "recovering"
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
+    path.write_text("{}")
+    assert reader.current().state == S.FAILED
+
+
+# ------------------------------------------------------------------ the recovery loop
+
+
+class FakeProc:
+    def __init__(self, pid: int) -> None:
+        self.pid, self.code = pid, None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class FakeServer:
+    """Scripted stand-in for TritonServer: each start() lays out a server pid and its stubs in a fake
+    /proc; `ready_script` says per start whether wait_ready succeeds."""
+
+    def __init__(self, proc: Path, ready_script: list[bool] | None = None) -> None:
+        self.root, self.ready_script = proc, list(ready_script or [])
+        self.cfg = type("Cfg", (), {"env": {}})()
+        self.proc: FakeProc | None = None
+        self.starts, self.stops, self.envs = 0, [], []
+
+    def start(self) -> FakeServer:
+        self.starts += 1
+        pid = 1000 * self.starts
+        self.proc = FakeProc(pid)
+        write_proc(self.root, pid, 1, ["tritonserver"])
+        for i, model in enumerate(("decode", "pd", "prefill"), 1):
+            write_proc(self.root, pid + i, pid, stub_argv(model), start=pid + i)
+        self.envs.append(dict(self.cfg.env))
+        return self
+
+    def wait_ready(self, timeout: float = 0, models=(), cancel=None) -> float:
+        if self.ready_script and not self.ready_script.pop(0):
+            self.proc.code = 1
+            raise RuntimeError("tritonserver exited with code 1 before it was ready\n--- log ---")
+        return 0.0
+
+    def stop(self, grace_s: float = 15.0) -> int:
+        self.stops.append(grace_s)
+        for entry in list(self.root.iterdir()):
+            if entry.name.isdigit() and int(entry.name) // 1000 == self.proc.pid // 1000:
+                shutil.rmtree(entry)
+        self.proc.code = -9
+        return -9
+
+
+def supervisor(tmp_path: Path, proc: Path, server: FakeServer, **kw) -> tuple[S.Supervisor, list[str], list]:
+    said: list[str] = []
+    states: list[tuple[str, int]] = []
+    sup = S.Supervisor(server, tmp_path / "status.json", threading.Event(), grace_s=0.0, poll_s=0.01,
+                       say=said.append, watch=S.StubWatch(proc), **kw)
+    original = sup.set_status
+
+    def recording(state: str, reason: str = "") -> None:
+        states.append((state, sup.restarts))
+        original(state, reason)
+
+    sup.set_status = recording  # type: ignore[method-assign]
+    return sup, said, states
+
+
+def test_a_dead_stub_restarts_tritonserver_and_the_status_follows(tmp_path: Path, proc: Path) -> None:
+    server = FakeServer(proc)
+    sup, said, states = supervisor(tmp_path, proc, server)
+    server.start()
+    assert len(sup.watching()) == 3
+    assert sup.step() is None and server.starts == 1  # nothing failed
+    shutil.rmtree(proc / "1001")  # decode's stub
+    assert sup.step() is None
+    assert server.starts == 2 and server.stops == [sup.stop_grace_s]
+    assert server.envs[-1][S.ENV_RESTARTS] == "1"
+    assert said[0] == "stub of model decode (pid 1001) died; restarting tritonserver (restart 1)"
+    assert "ready again" in said[-1] and "restart 1" in said[-1]
+    assert states == [("ready", 0), ("recovering", 1), ("ready", 1)]
+    assert S.read_status(sup.status_path).ready and S.read_status(sup.status_path).restarts == 1
+    assert [s.pid for s in sup.watch.stubs.values()] == [2001, 2002, 2003]  # the new server's stubs
+    server.proc.code = -11  # tritonserver itself crashes
+    assert sup.step() is None and server.starts == 3
+    assert said[-4].startswith("tritonserver exited with code -11; restarting tritonserver (restart 2)")
+
+
+def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path, proc: Path) -> None:
+    server = FakeServer(proc, ready_script=[False] * 10)
+    policy = S.RestartPolicy(max_restarts=3, window_s=600, max_backoff_s=0.01)
+    sup, said, states = supervisor(tmp_path, proc, server, policy=policy)
+    server.start()
+    sup.watching()
+    shutil.rmtree(proc / "1002")
+    assert sup.step() == 1
+    assert server.starts == 4  # the first start and three restarts
+    assert [s for s, _ in states] == ["ready", "recovering", "recovering", "recovering", "failed"]
+    final = S.read_status(sup.status_path)
+    assert final.state == S.FAILED and final.restarts == 3
+    assert "did not become ready after restart 3: tritonserver exited with code 1" in final.reason
+    assert "restarted 3 times in the last 600 s, giving up" in final.reason
+    assert "--- log ---" not in final.reason  # one line
+    assert said[-1].endswith("; stopping")
+
+
+def test_no_restart_when_restarts_are_off(tmp_path: Path, proc: Path) -> None:
+    server = FakeServer(proc)
+    sup, said, _ = supervisor(tmp_path, proc, server, policy=S.RestartPolicy(max_restarts=0))
+    server.start()
+    sup.watching()
+    shutil.rmtree(proc / "1003")
+    assert sup.step() == 1 and server.starts == 1
+    assert said == ["stub of model prefill (pid 1003) died; restarts are off (--max-restarts 0); stopping"]
+
+
+def test_a_signal_during_the_grace_period_stops_recovery(tmp_path: Path, proc: Path) -> None:
+    server = FakeServer(proc)
+    sup, _, _ = supervisor(tmp_path, proc, server)
+    sup.grace_s = 30.0
+    server.start()
+    sup.watching()
+    shutil.rmtree(proc / "1001")
+    threading.Timer(0.2, sup.stop.set).start()
+    assert sup.step() == 0 and server.starts == 1
+
+
+def test_serve_refuses_negative_restart_limits(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "rngd_pd.cli", "serve", "--repository", str(tmp_path),
+                           "--max-restarts", "-1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-restarts must be >= 0" in proc.stderr
+
+
+# ------------------------------------------------------------------ the front end under serve
+
+
+class BreakingBackend(FakeBackend):
+    """Streams `after` tokens, then writes a `recovering` status (as serve does before it restarts
+    tritonserver) and fails the way a broken gRPC stream does."""
+
+    def __init__(self, tokenizer, status: Path, after: int = 2) -> None:
+        super().__init__(tokenizer)
+        self.status, self.after, self.broken = status, after, False
+
+    async def generate(self, req):
+        n = 0
+        async for chunk in super().generate(req):
+            if self.broken and n == self.after:
+                S.write_status(self.status, S.ServerStatus(S.RECOVERING, RECOVERING_REASON, 1))
+                await asyncio.sleep(0)
+                raise BackendUnavailable("Triton at 127.0.0.1:1 is not reachable (UNAVAILABLE); retry later")
+            n += 1
+            yield chunk
+
+
+RECOVERING_REASON = "stub of model decode (pid 4242) died; restarting tritonserver (restart 1)"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def served():
+    from rngd_pd.frontend.served_model import load_served_model
+
+    return load_served_model(FrontendConfig())
+
+
+def test_front_end_answers_503_while_serve_recovers(tmp_path: Path, served) -> None:
+    status = tmp_path / "status.json"
+    S.write_status(status, S.ServerStatus(S.READY))
+    backend = BreakingBackend(served.tokenizer, status)
+    config = FrontendConfig(server_status=str(status))
+    assert config.to_argv()[-2:] == ["--server-status", str(status)]
+    with serve_app(create_app(config, model=served, backend=backend)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert httpx.get(url + "/health").status_code == 200
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert "rngd_pd_server_restarts_total 0.0" in httpx.get(url + "/metrics").text
+
+        backend.broken = True  # an in-flight stream breaks; serve said `recovering` just before
+        with pytest.raises(openai.APIError) as caught:
+            for _ in client.completions.create(model=MODEL, prompt="hi", max_tokens=8, stream=True):
+                pass
+        assert "The server is recovering: " + RECOVERING_REASON in caught.value.message
+        assert "this request was interrupted: Triton at 127.0.0.1:1 is not reachable" in caught.value.message
+
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and RECOVERING_REASON in health.json()["detail"]
+        for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "stream": True,
+                                                     "messages": [{"role": "user", "content": "hi"}]})):
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5"
+            assert r.json() == {"error": {"message": f"The server is recovering: {RECOVERING_REASON}; retry "
+                                          "shortly", "type": "service_unavailable", "param": None,
+                                          "code": "server_recovering"}}
+        metrics = httpx.get(url + "/metrics").text
+        assert "rngd_pd_server_restarts_total 1.0" in metrics and "rngd_pd_server_ready 0.0" in metrics
+
+        backend.broken = False
+        S.write_status(status, S.ServerStatus(S.READY, restarts=1))
+        assert httpx.get(url + "/health").status_code == 200
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert "rngd_pd_server_ready 1.0" in httpx.get(url + "/metrics").text
+
+        S.write_status(status, S.ServerStatus(S.FAILED, "stub of model pd (pid 1) died; giving up", 5))
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
+        assert "retry-after" not in r.headers and "stopped recovering" in r.json()["error"]["message"]
+
+
+def test_front_end_without_serve_exports_no_server_metrics(served) -> None:
+    with serve_app(create_app(FrontendConfig(), model=served, backend=FakeBackend(served.tokenizer))) as url:
+        assert "rngd_pd_server_restarts_total" not in httpx.get(url + "/metrics").text

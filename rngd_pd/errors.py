@@ -61,6 +61,10 @@ class TransportIntegrityError(TransportError):
     """A blob's size, checksum or handle does not match what the receiver expects."""
 
 
+class TransportConfigError(TransportError, ConfigError):
+    """A transport option (config.pbtxt's kv_options or its environment variable) is bad."""
+
+
 class TransportCapacityError(TransportError):
     """The transport's storage (/dev/shm, relay memory cap, NIXL arena) is full."""
 

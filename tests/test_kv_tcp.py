@@ -18,9 +18,10 @@ from rngd_pd.errors import (
     TransportTimeoutError,
 )
 from rngd_pd.kv import wire
+from rngd_pd.kv.options import RelayOptions, crc_algorithm, options
 from rngd_pd.kv.relay import config_from_env
 from rngd_pd.kv.relayproc import start_relay
-from rngd_pd.kv.tcp import RelayClient, TcpTransport, crc_from_env, parse_addr
+from rngd_pd.kv.tcp import RelayClient, TcpTransport, parse_addr
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_output_too_small(relay):
 
 
 def test_crc_settings(monkeypatch, relay):
-    assert crc_from_env("0") is None and crc_from_env("crc32") == "crc32" and crc_from_env("1") == "crc32c"
+    assert crc_algorithm("0") is None and crc_algorithm("crc32") == "crc32" and crc_algorithm("1") == "crc32c"
     monkeypatch.setenv("AIRM_KV_TCP_CRC", "0")
     with RelayClient(relay) as c:
         assert c.alg == 0
@@ -168,7 +169,7 @@ def test_address_errors(monkeypatch):
     with pytest.raises(TransportError, match="not host:port"):
         parse_addr("nohost")
     monkeypatch.setenv("AIRM_KV_TCP_ADDR", "[::1]:7700")
-    assert parse_addr(None) == ("::1", 7700)
+    assert parse_addr(options(RelayOptions, "tcp").addr) == ("::1", 7700)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there

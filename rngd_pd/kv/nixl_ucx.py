@@ -29,10 +29,9 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +40,9 @@ import numpy as np
 from rngd_pd.errors import TransportError, TransportIntegrityError
 from rngd_pd.kv import ucx_endpoint
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
+from rngd_pd.kv.options import UcxOptions, at_least, crc_algorithm, options
 from rngd_pd.kv.protocol import Closing, ConformanceCase
-from rngd_pd.kv.tcp import RelayClient, crc_from_env
+from rngd_pd.kv.tcp import RelayClient
 from rngd_pd.kv.ucx import apply_ucx_env, progress_delay_us, wait_xfer
 from rngd_pd.kv.ucx_endpoint import FREE_PREFIX
 from rngd_pd.kv.ucx_publish import Publisher
@@ -70,20 +70,8 @@ class _Read:
     posted: float
 
 
-def _setting(name: str, given: Any, default: str, kind: type, minimum: float) -> Any:
-    """An option, else its environment variable, else the default; TransportError naming it if bad."""
-    raw = given if given is not None else os.environ.get(name, default)
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value < minimum:
-        raise TransportError(f"{name} (or its option) must be a {kind.__name__} >= {minimum:g}, got {raw!r}")
-    return value
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _log_blob(what: str, key: str, index: int, data: Any) -> None:
@@ -98,17 +86,19 @@ class NixlUcxTransport(Closing):
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None, *,
                  pool_mb: int | None = None, ttl_s: float | None = None, crc: str | bool | None = True,
                  log_blobs: bool | None = None, ucx_env: dict[str, str] | None = None,
-                 capacity_wait_s: float = 2.0, read_ahead: int | None = None) -> None:
-        self.ttl_s = _setting("AIRM_KV_TCP_TTL_S", ttl_s, "300", float, 1e-3)
-        pool_mb = _setting("AIRM_KV_UCX_POOL_MB", pool_mb, "1024", int, 1)
-        self.read_ahead = _setting("AIRM_KV_UCX_READ_AHEAD", read_ahead, "2", int, 0)
-        self.alg = crc_from_env() if crc is True else (crc or None)
-        self.log_blobs = _env_flag("AIRM_KV_UCX_LOG") if log_blobs is None else log_blobs
+                 capacity_wait_s: float = 2.0, read_ahead: int | None = None,
+                 config: Mapping[str, str] | str | None = None) -> None:
+        o = options(UcxOptions, self.name, config, ttl_s=ttl_s, pool_mb=pool_mb, read_ahead=read_ahead,
+                    log_blobs=log_blobs)
+        at_least(o, self.name, ttl_s=1e-3, pool_mb=1, read_ahead=0)
+        self.ttl_s, self.read_ahead, self.log_blobs = o.ttl_s, o.read_ahead, o.log_blobs
+        self.alg = crc_algorithm(o.crc) if crc is True else crc_algorithm(crc)
         self.capacity_wait_s = capacity_wait_s
         progress_delay_us()  # a bad setting fails here, before the relay or NIXL is touched
-        self.relay = RelayClient(addr, secret)  # first: a missing relay address fails before NIXL starts
+        # first: a missing relay address fails before NIXL starts
+        self.relay = RelayClient(addr, secret, config=o)
         apply_ucx_env(ucx_env)  # effective only if this process has no agent yet
-        self.ep = ucx_endpoint.endpoint(pool_mb << 20)
+        self.ep = ucx_endpoint.endpoint(o.pool_mb << 20)
         self.publisher = Publisher(self.relay, self.ep.free_token)
         self._ahead: dict[tuple[str, int], _Read] = {}
         self._ahead_lock = threading.Lock()

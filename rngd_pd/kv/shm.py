@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from rngd_pd.errors import (
     TransportTimeoutError,
 )
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
+from rngd_pd.kv.options import ShmOptions, options
 from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.shmpool import MapCache, SlotPool, make_dir, scandir, sweep_dead_pool
 
@@ -63,8 +64,6 @@ def safe_name(key: str) -> str:
     return "~" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:48]
 
 
-def _env_flag(name: str, default: str) -> bool:
-    return os.environ.get(name, default).strip().lower() not in ("0", "off", "false", "no")
 
 
 class ShmTransport(Closing):
@@ -73,14 +72,14 @@ class ShmTransport(Closing):
     name = "shm"
 
     def __init__(self, root: str | None = None, ttl_s: float | None = None, crc: bool | None = None,
-                 pool_mb: int | None = None, poll_max_s: float = 0.001) -> None:
-        self.root = os.path.abspath(root or os.environ.get("PD_SHM_ROOT") or DEFAULT_ROOT)
+                 pool_mb: int | None = None, poll_max_s: float = 0.001, *,
+                 config: Mapping[str, str] | str | None = None) -> None:
+        o = options(ShmOptions, self.name, config, root=root or None, ttl_s=ttl_s, crc=crc, pool_mb=pool_mb)
+        self.root = os.path.abspath(o.root or DEFAULT_ROOT)
         self.keys_dir = os.path.join(self.root, "keys")
         for d in (self.root, self.keys_dir, os.path.join(self.root, "pool")):
             make_dir(d)
-        self.ttl_s = float(ttl_s if ttl_s is not None else os.environ.get("AIRM_KV_SHM_TTL_S", 300))
-        self.crc = _env_flag("AIRM_KV_SHM_CRC", "1") if crc is None else crc
-        pool_mb = int(pool_mb if pool_mb is not None else os.environ.get("AIRM_KV_SHM_POOL_MB", 2048))
+        self.ttl_s, self.crc, pool_mb = o.ttl_s, o.crc, o.pool_mb
         self.poll_max_s = poll_max_s
         self._pool: SlotPool | None = None
         self._pool_lock = threading.Lock()

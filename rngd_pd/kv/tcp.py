@@ -21,7 +21,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from rngd_pd.errors import (
@@ -32,6 +32,7 @@ from rngd_pd.errors import (
 )
 from rngd_pd.kv import wire
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes
+from rngd_pd.kv.options import RelayOptions, crc_algorithm, options
 from rngd_pd.kv.protocol import Closing, ConformanceCase
 from rngd_pd.kv.relaypool import Pool, shared_pool, unshare_pool
 
@@ -48,8 +49,7 @@ _ERRORS = {
 
 
 def parse_addr(addr: str | tuple[str, int] | None) -> tuple[str, int]:
-    """host:port (or a tuple; None -> $AIRM_KV_TCP_ADDR) as (host, port)."""
-    addr = addr or os.environ.get("AIRM_KV_TCP_ADDR")
+    """host:port (or a tuple) as (host, port)."""
     if not addr:
         raise TransportError("no KV relay address: set AIRM_KV_TCP_ADDR=host:port or pass addr=, "
                              "and start a relay with `rngd-pd kv-relay --port N`")
@@ -59,14 +59,6 @@ def parse_addr(addr: str | tuple[str, int] | None) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise TransportError(f"KV relay address {addr!r} is not host:port")
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def crc_from_env(value: str | None = None) -> str | None:
-    """AIRM_KV_TCP_CRC: "0" -> None (skip), "crc32" -> zlib CRC-32, anything else -> crc32c."""
-    value = (value if value is not None else os.environ.get("AIRM_KV_TCP_CRC", "1")).strip().lower()
-    if value in ("0", "off", "false", "no", "none"):
-        return None
-    return "crc32" if value == "crc32" else "crc32c"
 
 
 def _get_frame(index: int, size: int, timeout: float) -> wire.Frame:
@@ -84,13 +76,15 @@ class RelayClient(Closing):
 
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None, *,
                  crc: str | bool | None = True, log_blobs: bool | None = None,
-                 max_key_bytes: int = 512) -> None:
-        self.addr = parse_addr(addr)
-        secret = secret if secret is not None else os.environ.get("AIRM_KV_TCP_SECRET") or None
+                 max_key_bytes: int = 512,
+                 config: RelayOptions | Mapping[str, str] | str | None = None) -> None:
+        o = config if isinstance(config, RelayOptions) else options(RelayOptions, "tcp", config)
+        self.addr = parse_addr(addr or o.addr)
+        secret = secret if secret is not None else o.secret or None
         self.secret = secret.encode() if isinstance(secret, str) else secret
-        self.crc = crc_from_env() if crc is True else (crc or None)
+        self.crc = crc_algorithm(o.crc) if crc is True else crc_algorithm(crc)
         self.alg = wire.ALG_IDS[self.crc]
-        self.log_blobs = os.environ.get("AIRM_KV_TCP_LOG", "0") == "1" if log_blobs is None else log_blobs
+        self.log_blobs = o.log_blobs if log_blobs is None else log_blobs
         self.max_key_bytes = max_key_bytes
         self._pool: Pool | None = shared_pool(self.addr, self.secret, IO_TIMEOUT_S)
         self._ahead: dict[str, tuple[socket.socket, int]] = {}  # key -> connection with a GET in flight
@@ -332,8 +326,9 @@ class TcpTransport(Closing):
 
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None,
                  crc: str | bool | None = True, log_blobs: bool | None = None,
-                 read_ahead: bool = True) -> None:
-        self.client = RelayClient(addr, secret, crc=crc, log_blobs=log_blobs)
+                 read_ahead: bool = True, *, config: Mapping[str, str] | str | None = None) -> None:
+        self.client = RelayClient(addr, secret, crc=crc, log_blobs=log_blobs,
+                                  config=options(RelayOptions, self.name, config))
         self.read_ahead = read_ahead  # pulls in index order find the next blob already requested
 
     def push(self, key: str, index: int, data: Any) -> None:

@@ -124,7 +124,6 @@ class DecodeModel:
     queue them."""
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.kv import load_transport
         from rngd_pd.triton import pbutils
         from rngd_pd.triton.metrics import triton_metrics
         from rngd_pd.triton.sending import ResponseLoop
@@ -133,7 +132,7 @@ class DecodeModel:
         p = model_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
-        self.service = DecodeService(load_for(p, args), load_transport(p.kv_transport), p.kv_dtype,
+        self.service = DecodeService(load_for(p, args), p.transport(), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
         self.responses = ResponseLoop(name)

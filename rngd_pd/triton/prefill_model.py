@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.kv import load_transport
 from rngd_pd.kv.handle import KVHandle, KVSpec
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import inputs, pbutils
@@ -53,7 +52,7 @@ class PrefillModel:
 
         p = model_params(PrefillParams, args)
         self.transport_name = p.kv_transport
-        self.service = PrefillService(load_for(p, args), load_transport(p.kv_transport), p.kv_dtype,
+        self.service = PrefillService(load_for(p, args), p.transport(), p.kv_dtype,
                                       p.chunk_size, p.max_len)
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
 

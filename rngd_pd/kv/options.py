@@ -1,0 +1,89 @@
+"""Each transport's options as one frozen dataclass, read once through the shared settings parser.
+
+Sources, weakest first: the field's default, the model's `kv_options` parameter (config.pbtxt, e.g.
+`addr=relay.kv:9100;crc=0`), the original's environment variables (`AIRM_KV_TCP_ADDR`, `PD_SHM_ROOT`,
+..., kept so ai-rm deployments work unchanged), then values a caller passes in code. A bad value is a
+ConfigError naming the option and where it came from, before any connection or file is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rngd_pd.errors import ConfigError, TransportConfigError
+from rngd_pd.settings import param, parse_params
+
+Opts = TypeVar("Opts")
+
+
+@dataclass(frozen=True)
+class ShmOptions:
+    root: str | None = param(None, env="PD_SHM_ROOT", help="directory of the shared slots (/dev/shm/rngd-pd)")
+    ttl_s: float = param(300.0, env="AIRM_KV_SHM_TTL_S", help="seconds an unreleased key lives")
+    crc: bool = param(True, env="AIRM_KV_SHM_CRC", help="checksum every blob on both sides")
+    pool_mb: int = param(2048, env="AIRM_KV_SHM_POOL_MB", help="idle slot memory kept for reuse")
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    addr: str | None = param(None, env="AIRM_KV_TCP_ADDR", help="host:port of the KV relay")
+    secret: str | None = param(None, env="AIRM_KV_TCP_SECRET", help="the relay's shared secret (HMAC)")
+    crc: str = param("crc32c", env="AIRM_KV_TCP_CRC", help="crc32c, crc32 (the original's) or 0 (none)")
+    log_blobs: bool = param(False, env="AIRM_KV_TCP_LOG", help="log each blob's SHA-256")
+
+
+@dataclass(frozen=True)
+class UcxOptions(RelayOptions):
+    log_blobs: bool = param(False, env="AIRM_KV_UCX_LOG", help="log each blob's SHA-256")
+    ttl_s: float = param(300.0, env="AIRM_KV_TCP_TTL_S", help="seconds an unread arena slot lives")
+    pool_mb: int = param(1024, env="AIRM_KV_UCX_POOL_MB", help="registered arena per process")
+    read_ahead: int = param(2, env="AIRM_KV_UCX_READ_AHEAD", help="descriptor GETs in flight per pull")
+
+
+def parse_kv_options(text: str) -> dict[str, str]:
+    """`addr=host:9100;crc=0` (`;` or `,` between pairs) -> {name: value}."""
+    out = {}
+    for item in (s.strip() for s in re.split(r"[;,]", text or "")):
+        if item:
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip():
+                raise ConfigError(f"kv_options takes NAME=VALUE pairs separated by ';', got {item!r}")
+            out[name.strip()] = value.strip()
+    return out
+
+
+def options(cls: type[Opts], name: str, config: Mapping[str, str] | str | None = None,
+            **given: Any) -> Opts:
+    """`cls` for transport `name` from config values and the environment, then the non-None `given`."""
+    try:
+        values = parse_kv_options(config) if isinstance(config, str) else dict(config or {})
+        parsed = parse_params(cls, values, generic_env=False, where=f"KV transport {name!r} option")
+    except ConfigError as exc:
+        raise TransportConfigError(str(exc)) from None
+    return dataclasses.replace(parsed, **{k: v for k, v in given.items() if v is not None})
+
+
+def at_least(opts: Any, name: str, **minimums: float) -> None:
+    """TransportConfigError naming the option and its environment variable when one is below its minimum."""
+    for field in dataclasses.fields(opts):
+        least = minimums.get(field.name)
+        value = getattr(opts, field.name)
+        if least is not None and value < least:
+            env = field.metadata.get("env")
+            where = f"{field.name} (${env})" if env else field.name
+            raise TransportConfigError(f"KV transport {name!r} option {where} must be >= {least:g}, "
+                                       f"got {value!r}")
+
+
+def crc_algorithm(value: str | bool | None) -> str | None:
+    """The checksum a relay client uses: None (off), "crc32" or "crc32c"."""
+    if value is None or value is False:
+        return None
+    text = "crc32c" if value is True else str(value).strip().lower()
+    if text in ("0", "off", "false", "no", "none", ""):
+        return None
+    return "crc32" if text == "crc32" else "crc32c"

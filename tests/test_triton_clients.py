@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -81,3 +82,14 @@ def test_drain_waits_for_the_newest_to_settle_then_drops_all() -> None:
     t0 = time.monotonic()
     retired.drain(settle_s=0.2)  # nothing newer: no wait beyond what has passed
     assert time.monotonic() - t0 < 0.15
+
+
+def test_drop_settled_lets_go_only_of_those_retired_long_enough_ago() -> None:
+    retired = RetiredIterators()
+    old = _retire_one(retired)
+    time.sleep(0.3)
+    new = _retire_one(retired)
+    assert retired.drop_settled(0.2) == 1 and len(retired) == 1
+    gc.collect()
+    assert old() is None and new() is not None
+    assert retired.fenced(lambda: None) is None and len(retired) == 0

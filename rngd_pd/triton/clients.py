@@ -38,12 +38,25 @@ class RetiredIterators:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: list[Any] = []
-        self._last = 0.0  # when the newest one was retired (monotonic)
+        self._times: list[float] = []  # when each was retired (monotonic), oldest first
+        self._last = 0.0  # when the newest one was retired
 
     def retire(self, iterator: Any) -> None:
         with self._lock:
             self._items.append(iterator)
             self._last = time.monotonic()
+            self._times.append(self._last)
+
+    def drop_settled(self, settle_s: float = 1.0) -> int:
+        """Drop those retired more than `settle_s` ago, when no request is left to fence with (the
+        sender calls it while idle). Held on, they kept Triton from unloading pd after traffic: it
+        waits for pd's BLS requests, which the iterators keep alive. Returns how many were dropped."""
+        cutoff = time.monotonic() - settle_s
+        with self._lock:
+            n = sum(1 for t in self._times if t <= cutoff)
+            items, self._items, self._times = self._items[:n], self._items[n:], self._times[n:]
+        del items
+        return n
 
     def drain(self, settle_s: float = 1.0) -> None:
         """Drop them all from `finalize`: no request is left to fence with, so wait until the newest
@@ -54,19 +67,19 @@ class RetiredIterators:
         if wait > 0:
             time.sleep(wait)
         with self._lock:
-            items, self._items = self._items, []
+            items, self._items, self._times = self._items, [], []
         del items
 
     def fenced(self, probe: Callable[[], Any]) -> Any:
         """Run `probe` (a blocking stub-to-parent round trip such as `request.is_cancelled`), then drop
         the iterators retired before it: the stub's queue is FIFO, so their cleanup has run."""
         with self._lock:
-            items, self._items = self._items, []
+            items, times, self._items, self._times = self._items, self._times, [], []
         try:
             return probe()
         except BaseException:
             with self._lock:  # not proven: keep them for the next fence
-                self._items[:0] = items
+                self._items[:0], self._times[:0] = items, times
             raise
 
     def __len__(self) -> int:

@@ -29,7 +29,8 @@ class _GenerationModel:
     name = "generation"
 
     def _init_serving(self, args: dict, max_inflight: int, max_queue: int,
-                      fence: Callable[[Callable[[], None]], Any] | None = None) -> None:
+                      fence: Callable[[Callable[[], None]], Any] | None = None,
+                      idle: Callable[[], Any] | None = None) -> None:
         from rngd_pd.triton.metrics import triton_metrics
         from rngd_pd.triton.sending import ResponseLoop
         from rngd_pd.workers import RequestPool
@@ -37,7 +38,7 @@ class _GenerationModel:
         self.name = args.get("model_name", self.name)
         self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")
         self.metrics = triton_metrics(self.name)
-        self.responses = ResponseLoop(self.name, fence=fence)
+        self.responses = ResponseLoop(self.name, fence=fence, idle=idle)
         self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
 
     def execute(self, requests: list) -> None:
@@ -96,7 +97,7 @@ class PdModel(_GenerationModel):
         prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
         decode = GrpcClient(p.decode_url) if p.decode_url else BlsClient()
         # every cancel pass of the sender doubles as the fence that lets finished BLS streams go
-        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced)
+        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight)
 

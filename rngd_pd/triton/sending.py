@@ -13,6 +13,8 @@ or tokens there are). Request workers and engine threads only put outputs on its
 
 `fence` wraps each cancel pass (a run of blocking round trips to Triton's parent process); pd passes
 `clients.RETIRED.fenced` there, which lets finished BLS iterators go only after such a round trip.
+`idle` runs instead when no request is live (pd: `RETIRED.drop_settled`, so the last iterators of a
+burst do not wait for the next request: held, they kept Triton from unloading pd).
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ class ResponseLoop:
     """The sender thread of one model instance (see the module docstring)."""
 
     def __init__(self, name: str, poll_s: float = POLL_S,
-                 fence: Callable[[Callable[[], None]], Any] | None = None) -> None:
+                 fence: Callable[[Callable[[], None]], Any] | None = None,
+                 idle: Callable[[], Any] | None = None) -> None:
         self.name, self.poll_s = name, poll_s
         self._fence = fence or (lambda probe: probe())
+        self._idle = idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: dict[int, Stream] = {}
@@ -135,11 +139,13 @@ class ResponseLoop:
                 if s.request.is_cancelled():
                     self._cancel(s)
 
-        if streams:
-            try:
+        try:
+            if streams:
                 self._fence(probe)
-            except Exception as exc:
-                pbutils.log(f"{self.name}: reading cancel flags failed: {exc}", "warn")
+            elif self._idle is not None:
+                self._idle()
+        except Exception as exc:
+            pbutils.log(f"{self.name}: reading cancel flags failed: {exc}", "warn")
 
     def _cancel(self, stream: Stream) -> None:
         if stream.cancelled.is_set():

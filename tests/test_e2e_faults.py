@@ -7,7 +7,8 @@ One `rngd-pd serve --dtype fp32` (cpu config, shm transport, OpenAI front end; t
 
 * the front end's /health turns 503 naming the dead stub within seconds, and new requests get an
   OpenAI-shaped 503 (`server_recovering`);
-* every in-flight request ends with an error within 30 s (the front end's name what failed);
+* every in-flight request ends with an error within 30 s naming what failed (pd names a dead decode or
+  prefill stub itself; for a dead pd, serve's status does, through the front end);
 * without anyone touching the server, /health is 200 again within 120 s and greedy tokens equal the
   ones served before the kill; `rngd_pd_server_restarts_total` counted the restart, and serve's log
   says what it did.
@@ -279,7 +280,9 @@ def test_killed_stub_under_load_is_recovered(serve: Serve, victim: str) -> None:
         assert all(s.error for s in streams), f"a request survived the restart without an error: {ended}"
         named = f"stub of model {victim} (pid {stubs[victim].pid}) died"
         for s in streams:
-            if s.name.startswith("openai"):
+            if victim != "pd":  # pd itself names its dead callee, to the front end and tritonclient alike
+                assert named in s.error, s.error
+            elif s.name.startswith("openai"):  # pd is gone: serve's status names it, through the front end
                 assert "The server is recovering" in s.error and named in s.error, s.error
 
         took = _wait_healthy(serve, max(1.0, t_kill + RECOVER_WITHIN_S - time.monotonic()))

@@ -339,3 +339,15 @@ def test_front_end_answers_503_while_serve_recovers(tmp_path: Path, served) -> N
 def test_front_end_without_serve_exports_no_server_metrics(served) -> None:
     with serve_app(create_app(FrontendConfig(), model=served, backend=FakeBackend(served.tokenizer))) as url:
         assert "rngd_pd_server_restarts_total" not in httpx.get(url + "/metrics").text
+
+
+def test_a_stub_sees_a_sibling_stub_die(proc: Path, monkeypatch) -> None:
+    """pd's SiblingWatch: the stubs of the models it calls, under the same tritonserver (its parent)."""
+    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
+    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    assert watch.check(now=1.0) is None
+    assert {s.model for s in watch.watch.stubs.values()} == {"decode", "prefill"}  # not the other server's
+    write_proc(proc, 101, SERVER, stub_argv("decode"), state="Z", start=2001)
+    err = watch.check(now=2.0)
+    assert err is not None and "stub of model decode (pid 101) died" in str(err)
+    assert watch.check(now=3.0) is not None  # once died, always: the server restarts

@@ -30,7 +30,8 @@ class _GenerationModel:
 
     def _init_serving(self, args: dict, max_inflight: int, max_queue: int,
                       fence: Callable[[Callable[[], None]], Any] | None = None,
-                      idle: Callable[[], Any] | None = None) -> None:
+                      idle: Callable[[], Any] | None = None,
+                      health: Callable[[], BaseException | None] | None = None) -> None:
         from rngd_pd.triton.metrics import triton_metrics
         from rngd_pd.triton.sending import ResponseLoop
         from rngd_pd.workers import RequestPool
@@ -38,12 +39,14 @@ class _GenerationModel:
         self.name = args.get("model_name", self.name)
         self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")
         self.metrics = triton_metrics(self.name)
-        self.responses = ResponseLoop(self.name, fence=fence, idle=idle)
+        self.responses = ResponseLoop(self.name, fence=fence, idle=idle, health=health)
         self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
 
     def execute(self, requests: list) -> None:
         for request in requests:
             stream = self.responses.open(request, self.spec)
+            if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
+                stream.in_band = _in_band_error
             try:
                 self.pool.submit(self._work, request, stream)
             except Exception as exc:
@@ -65,11 +68,7 @@ class _GenerationModel:
         except BaseException as exc:  # every request ends with exactly one final response
             if not isinstance(exc, errors.RngdPdError | ValueError):
                 pbutils.log(f"{self.name}: unexpected {exc!r}", "error")
-            if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
-                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.ERROR, CONTEXT_IDS: [],
-                             T.STOP: [], T.ERROR: errors.to_wire(exc)}, final=True)
-            else:
-                stream.fail(exc)
+            stream.fail(exc)
             return
         self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
 
@@ -83,6 +82,12 @@ class _GenerationModel:
         self.metrics.close()
 
 
+def _in_band_error(exc: BaseException) -> dict[str, Any]:
+    """A failed request's final outputs for postprocess, which answers the error (tensors.ERROR)."""
+    return {T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.ERROR, CONTEXT_IDS: [], T.STOP: [],
+            T.ERROR: errors.to_wire(exc)}
+
+
 class PdModel(_GenerationModel):
     """`pd`: one request = prefill + decode, by BLS here or gRPC to other servers."""
 
@@ -92,12 +97,18 @@ class PdModel(_GenerationModel):
         from rngd_pd.triton.clients import RETIRED, BlsClient, GrpcClient
         from rngd_pd.triton.orchestrator import Orchestrator
         from rngd_pd.triton.serving import PdParams, model_params
+        from rngd_pd.triton.supervisor import SiblingWatch
 
         p = model_params(PdParams, args)
         prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
         decode = GrpcClient(p.decode_url) if p.decode_url else BlsClient()
-        # every cancel pass of the sender doubles as the fence that lets finished BLS streams go
-        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled)
+        # every cancel pass of the sender doubles as the fence that lets finished BLS streams go; the
+        # stubs of the models reached by BLS are watched, so a dead one fails its waiting requests
+        reached = ((p.prefill_model, p.prefill_url), (p.decode_model, p.decode_url))
+        local = tuple(model for model, url in reached if not url)
+        watch = SiblingWatch(local).check if local else None
+        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled,
+                           health=watch)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight)
 

@@ -13,6 +13,8 @@ or tokens there are). Request workers and engine threads only put outputs on its
 
 `fence` wraps each cancel pass (a run of blocking round trips to Triton's parent process); pd passes
 `clients.RETIRED.fenced` there, which lets finished BLS iterators go only after such a round trip.
+`health` is asked once a pass; when it returns an error, every live request ends with it at once (pd:
+a model it calls by BLS lost its stub, which Triton 2.51 never reports to a waiting BLS call).
 `idle` runs instead when no request is live (pd: `RETIRED.drop_settled`, so the last iterators of a
 burst do not wait for the next request: held, they kept Triton from unloading pd).
 """
@@ -46,6 +48,8 @@ class Stream:
         self.requested = pbutils.requested_outputs(request)
         self.cancelled = threading.Event()
         self.on_cancel: Callable[[], None] | None = None
+        # set when the caller takes errors in band (pd inside llm): the error -> a final response's outputs
+        self.in_band: Callable[[BaseException], Mapping[str, Any]] | None = None
         self.done = False  # the final response went out (loop thread only)
 
     def send(self, outputs: Mapping[str, Any], final: bool = False) -> None:
@@ -53,7 +57,7 @@ class Stream:
         self._loop.put(self, outputs, final)
 
     def fail(self, exc: BaseException) -> None:
-        """Queue the request's final response: the error for `exc`."""
+        """Queue the request's final response: the error for `exc` (in band when `in_band` is set)."""
         self._loop.put(self, exc, True)
 
 
@@ -62,10 +66,12 @@ class ResponseLoop:
 
     def __init__(self, name: str, poll_s: float = POLL_S,
                  fence: Callable[[Callable[[], None]], Any] | None = None,
-                 idle: Callable[[], Any] | None = None) -> None:
+                 idle: Callable[[], Any] | None = None,
+                 health: Callable[[], BaseException | None] | None = None) -> None:
         self.name, self.poll_s = name, poll_s
         self._fence = fence or (lambda probe: probe())
         self._idle = idle
+        self._health = health
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live: dict[int, Stream] = {}
@@ -115,7 +121,9 @@ class ResponseLoop:
         if stream.done:
             return  # one final response per request; later sends (a cancel race) are dropped
         try:
-            if isinstance(payload, BaseException):
+            if isinstance(payload, BaseException) and stream.in_band is not None:
+                response = pbutils.make_response(stream.spec, stream.in_band(payload), stream.requested)
+            elif isinstance(payload, BaseException):
                 response = pbutils.error_response(payload)
             else:
                 response = pbutils.make_response(stream.spec, payload, stream.requested)
@@ -131,6 +139,13 @@ class ResponseLoop:
                 self._live.pop(stream.ident, None)
 
     def _poll(self) -> None:
+        failure = self._health() if self._health is not None else None
+        if failure is not None:  # what these requests wait on is gone: end them now, naming it
+            with self._lock:
+                dying = list(self._live.values())
+            for s in dying:
+                self._deliver(s, failure, True)
+                self._cancel(s)
         with self._lock:
             streams = [s for s in self._live.values() if not s.cancelled.is_set()]
 

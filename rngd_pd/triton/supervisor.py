@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rngd_pd.errors import RngdPdError
+
 STUB_NAME = "triton_python_backend_stub"
 ENV_RESTARTS = "RNGD_PD_SERVER_RESTARTS"  # how many times serve restarted tritonserver (0 at first start)
 PROC = Path("/proc")
@@ -363,3 +365,33 @@ class Supervisor:
                      f"watching {len(stubs)} stubs)")
             return None
         return 0
+
+
+class SiblingWatch:
+    """From inside a stub: whether the stubs of `models` beside it (same tritonserver) still live.
+
+    pd asks it (through its sender) so that requests waiting on a dead decode or prefill stub end at
+    once with an error naming it, instead of hanging until `rngd-pd serve` restarts the server (Triton
+    2.51 never fails a BLS call whose callee died). /proc is read at most every `every_s` seconds.
+    """
+
+    def __init__(self, models: tuple[str, ...], every_s: float = 0.5, proc: Path = PROC) -> None:
+        self.models, self.every_s, self.proc = set(models), every_s, proc
+        self.watch = StubWatch(proc)
+        self._next = 0.0
+        self.failure: Failure | None = None
+
+    def check(self, now: float | None = None) -> RngdPdError | None:
+        """The error for requests in flight when a watched stub died (once died, always)."""
+        now = time.monotonic() if now is None else now
+        if self.failure is None and now >= self._next:
+            self._next = now + self.every_s
+            if not self.models <= {s.model for s in self.watch.stubs.values()}:
+                # not all up yet (or not watched yet): remember what is there now
+                self.watch.stubs = {s.instance: s for s in stub_processes(os.getppid(), self.proc)
+                                    if s.model in self.models}
+            self.failure = self.watch.check()
+        if self.failure is None:
+            return None
+        return RngdPdError(f"{self.failure.describe()}: this request cannot finish; rngd-pd serve restarts "
+                           "the server (retry shortly)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,11 @@ class RequestPool:
         with self._lock:
             return self._admitted
 
-    def close(self) -> None:
-        """Let the threads end once the queued work is done (from finalize; does not wait)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Let the threads end once the queued work is done; wait up to `wait_s` for them (a process
+        that exits with them still running can abort in native teardown: "terminate called ...")."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -351,3 +351,16 @@ def test_a_stub_sees_a_sibling_stub_die(proc: Path, monkeypatch) -> None:
     err = watch.check(now=2.0)
     assert err is not None and "stub of model decode (pid 101) died" in str(err)
     assert watch.check(now=3.0) is not None  # once died, always: the server restarts
+
+
+def test_a_stub_replaced_while_models_load_is_not_a_death(proc: Path, monkeypatch) -> None:
+    """Triton runs a short-lived stub per model while it loads; pd may have seen that one first."""
+    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
+    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    assert watch.check(now=1.0) is None
+    shutil.rmtree(proc / "103")  # prefill's first stub goes ...
+    write_proc(proc, 107, SERVER, stub_argv("prefill"), start=2007)  # ... and its instance's stub is there
+    assert watch.check(now=2.0) is None
+    assert {s.pid for s in watch.watch.stubs.values() if s.model == "prefill"} == {107}
+    shutil.rmtree(proc / "107")  # it dies serving: nothing replaces it
+    assert "stub of model prefill (pid 107) died" in str(watch.check(now=3.0))

@@ -179,7 +179,7 @@ class DecodeEngine:
         if self._thread is not None:
             self._thread.join()
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close(wait_s=2.0)  # idle loaders end at once; one still pulling KV is let go
         leftovers = [e for e in self._requests.values() if e is not None]
         for e in leftovers:
             err = RngdPdError("the decode engine stopped before the request finished; retry it",

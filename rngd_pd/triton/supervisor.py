@@ -381,6 +381,17 @@ class SiblingWatch:
         self._next = 0.0
         self.failure: Failure | None = None
 
+    def _replaced(self, model: str) -> bool:
+        """Whether `model` has a living stub other than the one that went: while models load, Triton
+        runs a short-lived stub per model (to complete its config) before the instance's own, and pd
+        may have seen that one first. A stub that died serving is never replaced on 2.51."""
+        living = [s for s in stub_processes(os.getppid(), self.proc) if s.model == model]
+        if not living:
+            return False
+        self.watch.stubs = {k: s for k, s in self.watch.stubs.items() if s.model != model}
+        self.watch.stubs.update({s.instance: s for s in living})
+        return True
+
     def check(self, now: float | None = None) -> RngdPdError | None:
         """The error for requests in flight when a watched stub died (once died, always)."""
         now = time.monotonic() if now is None else now
@@ -391,6 +402,8 @@ class SiblingWatch:
                 self.watch.stubs = {s.instance: s for s in stub_processes(os.getppid(), self.proc)
                                     if s.model in self.models}
             self.failure = self.watch.check()
+            if self.failure is not None and self._replaced(self.failure.model):
+                self.failure = None
         if self.failure is None:
             return None
         return RngdPdError(f"{self.failure.describe()}: this request cannot finish; rngd-pd serve restarts "

@@ -275,7 +275,10 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
     from rngd_pd.triton.server import ServerConfig, TritonServer
 
     log = tmp_path / "tritonserver.log"
-    cfg = ServerConfig(Path(E.REPOSITORY), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
+    # 30 s: a hang outlives any exit timeout, but unloading six torch models on a loaded 2-core host
+    # took 11-12 s (every model had let go; the last ones were still freeing their weights)
+    cfg = ServerConfig(Path(E.REPOSITORY), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env,
+                       exit_timeout_s=30)
     with TritonServer(cfg, log=log) as s:
         s.wait_ready(600)
         for text in E.PROMPTS[:3]:

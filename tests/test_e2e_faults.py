@@ -285,6 +285,10 @@ def test_killed_stub_under_load_is_recovered(serve: Serve, victim: str) -> None:
             elif s.name.startswith("openai"):  # pd is gone: serve's status names it, through the front end
                 assert "The server is recovering" in s.error and named in s.error, s.error
 
+        # pd ends its requests before serve has noticed (it polls every 0.5 s): wait for the restart to
+        # begin before waiting for health, or an old, still healthy-looking server would count
+        while _restarts(serve) <= restarts and time.monotonic() < t_kill + RECOVER_WITHIN_S:
+            time.sleep(0.2)
         took = _wait_healthy(serve, max(1.0, t_kill + RECOVER_WITHIN_S - time.monotonic()))
         print(f"{victim}: /health 200 again {time.monotonic() - t_kill:.1f} s after the kill "
               f"(waited {took:.1f} s after the streams ended)")

@@ -4,10 +4,34 @@
 each, at their own positions, against a static KVCache) are separate functions: they are the two
 graphs a prefill device and a decode device run. GQA, RMSNorm, RoPE (llama3 scaling), SwiGLU.
 Projections are fused (QKV, gate+up) so a step issues as few matmuls as possible.
+
+Batch invariance: a row's decode logits are bit-identical whatever the number, content and lengths
+of the other rows in its step, in fp32 and bf16 (batching must not change a greedy answer). What
+varies with the batch are the shapes of the step's kernels, and CPU kernels choose code paths by
+shape. Measured (torch 2.13, AVX-512 host, 1-8 threads; oneDNN also capped at AVX2):
+
+* Projections. `F.linear` in fp32 gives a row other bits at M = 1, at M = 2-3 and at M >= 4 rows
+  (and at 2 threads by the row's position too, for M = 5-7 and 9-11). oneDNN's linear on packed
+  weights gives every row the same bits for every M in 1..64 at any position, except for the down
+  projection (K = 1536) at M = 1, in fp32 and bf16 alike. So decode runs the projections on packed
+  weights in both dtypes (in fp32 a step is also 1.5-2.5x faster than with `F.linear`, for one more
+  copy of the weights in memory), and a projection that a kernel treats differently below m rows
+  runs a smaller step zero-padded to m rows: `Llama._min_rows` measures m per projection at
+  `prepare_decode` (here w2: 2, the rest 1), so only a one-row step pays: one padding row in each
+  down projection, ~0.3 ms of a 15-23 ms step.
+* Attention: a row attends over the step's longest length L, masked. The QK^T matmul gives a key
+  column other bits when it falls in the partial last column block, and the softmax other bits
+  below 16 keys (its vector width); so L is rounded up to a multiple of 16 (`_attention_length`,
+  zero keys past a short cache's end). The batched matmuls and the softmax do not depend on the
+  number of rows, nor on V being a strided view or a copy.
+* Embedding, norms, RoPE, SwiGLU and the K/V writes are row-wise and exact whatever the batch.
+
+Prefill is not involved: it runs one prompt at a time and never shares a kernel call with others.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -23,33 +47,46 @@ from rngd_pd.model.rope import RopeTable, apply_rope
 KV = list[tuple[Tensor, Tensor]]
 OnLayer = Callable[[int, Tensor, Tensor], None]
 
+log = logging.getLogger(__name__)
+
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 Packed = dict[str, Tensor]  # weight name -> oneDNN-packed copy (decode only)
+Rows = dict[str, int]  # weight name -> the fewest rows decode runs it on (Llama._min_rows)
 _PACK_ROWS = 16  # the batch width oneDNN packs the decode weights for (1..16 measured alike)
+_CHECK_ROWS = 16  # row counts 1..16 are checked for batch invariance at prepare_decode
+_CHECK_OUTPUTS = 1 << 16  # outputs compared per projection and row count (see Llama._min_rows)
+_ATTN_BLOCK = 16  # decode attention lengths are rounded up to a multiple of this (module docstring)
 
 
 def _packable(dtype: torch.dtype) -> bool:
-    """oneDNN packed bf16 linears exist here (avx512_bf16 CPUs): measured 25-35% faster GEMVs."""
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """oneDNN packed linears exist here: bf16 on avx512_bf16 CPUs (measured 25-35% faster GEMVs than
+    F.linear), fp32 wherever torch has oneDNN (batch-invariant where F.linear is not; module docstring)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pack(w: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
 
 
-def _linear(x: Tensor, w: Tensor, packed: Packed | None, name: str) -> Tensor:
-    """x @ w.T, through the packed copy of w when there is one."""
+def _linear(x: Tensor, w: Tensor, packed: Packed | None, name: str, rows: Rows | None = None) -> Tensor:
+    """x @ w.T, through the packed copy of w when there is one; x of fewer than rows[name] rows
+    runs padded with zero rows to that many (batch invariance, module docstring)."""
+    n, least = x.shape[0], rows.get(name, 1) if rows else 1
+    if n < least:
+        x = torch.cat([x, x.new_zeros(least - n, x.shape[1])])
     if packed is not None and name in packed:
-        return torch.ops.mkldnn._linear_pointwise(x, packed[name], None, "none", [], "")
-    return F.linear(x, w)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed[name], None, "none", [], "")
+    else:
+        y = F.linear(x, w)
+    return y[:n] if n < least else y
 
 
 class Block(nn.Module):
@@ -80,18 +117,22 @@ class Block(nn.Module):
         """x [N, D] -> q [N, H*hd], k [N, KVH*hd], v [N, KVH*hd] (views of one matmul)."""
         return F.linear(self.norm(x, self.attn_norm), self.wqkv).split(self.split, dim=-1)
 
-    def qkv_heads(self, x: Tensor, packed: Packed | None = None) -> tuple[Tensor, Tensor]:
+    def qkv_heads(
+        self, x: Tensor, packed: Packed | None = None, rows: Rows | None = None
+    ) -> tuple[Tensor, Tensor]:
         """x [N, D] -> qk [N, H+KVH, hd] (RoPE rotates q and k in one pass), v [N, KVH, hd]: views."""
-        out = _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv")
+        out = _linear(self.norm(x, self.attn_norm), self.wqkv, packed, "wqkv", rows)
         n, hd = out.shape[0], self.head_dim
         qk, v = out.split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         return qk.view(n, -1, hd), v.view(n, -1, hd)
 
-    def finish(self, x: Tensor, attn: Tensor, packed: Packed | None = None) -> Tensor:
+    def finish(
+        self, x: Tensor, attn: Tensor, packed: Packed | None = None, rows: Rows | None = None
+    ) -> Tensor:
         """Residual add of the attention output attn [N, H*hd], then the SwiGLU MLP."""
-        x = x + _linear(attn, self.wo, packed, "wo")
-        gate, up = _linear(self.norm(x, self.ffn_norm), self.w13, packed, "w13").chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, self.w2, packed, "w2")
+        x = x + _linear(attn, self.wo, packed, "wo", rows)
+        gate, up = _linear(self.norm(x, self.ffn_norm), self.w13, packed, "w13", rows).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.w2, packed, "w2", rows)
 
 
 class Llama(nn.Module):
@@ -110,31 +151,83 @@ class Llama(nn.Module):
         self.rope = RopeTable(c.head_dim, c.rope_theta, c.rope_scaling, c.max_context)
         self.requires_grad_(False)
         self.head_packed: Packed | None = None
+        self.decode_rows: Rows = {}  # the fewest rows decode runs each projection on (_min_rows)
+        self.decode_invariant = True  # _min_rows found such a row count for every projection
         self._packing_done = False  # pack_weights ran (whether or not this device/dtype packs)
         self._pack_lock = threading.RLock()
 
     def pack_weights(self) -> None:
-        """(Re)build the packed decode weights; decode_step calls it once, call it again after
-        changing weights in place. Costs one more copy of the weights in memory (bf16 only)."""
+        """(Re)build the packed decode weights and re-measure `decode_rows`; decode_step calls
+        it once, call it again after changing weights in place. Costs one more copy of the weights
+        in memory, CPU only (SmolLM2: 270 MB in bf16, 560 MB in fp32)."""
         with self._pack_lock:
             self._packing_done = True
-            if not _packable(self.dtype) or self.embed.device.type != "cpu":
-                return
-            for layer in self.layers:
-                layer.pack()
-            self.head_packed = {"lm_head": _pack(self.lm_head)}
+            if _packable(self.dtype) and self.embed.device.type == "cpu":
+                try:
+                    for layer in self.layers:
+                        layer.pack()
+                    self.head_packed = {"lm_head": _pack(self.lm_head)}
+                except RuntimeError as ex:  # a oneDNN build without these kernels: plain F.linear
+                    log.info("decode weights stay unpacked (%s): %s", self.dtype, ex)
+                    for layer in self.layers:
+                        layer.packed = None
+                    self.head_packed = None
+            self.decode_rows, self.decode_invariant = self._min_rows()
+            if not self.decode_invariant:
+                log.warning(
+                    "decode is not batch-invariant here (%s, %s, %d threads): no row count up to %d "
+                    "gives every row the same bits, so batching can change a greedy answer",
+                    self.dtype, self.embed.device, torch.get_num_threads(), _CHECK_ROWS,
+                )
 
     def prepare_decode(self) -> None:
-        """Pack the decode weights once (idempotent); engines call it at start so that the first
-        decode step does not pay for it (~0.2 s for SmolLM2)."""
+        """Pack the decode weights and measure `decode_rows` once (idempotent); engines call it
+        at start so that the first decode step does not pay for it (~0.3 s for SmolLM2)."""
         with self._pack_lock:
             if not self._packing_done:
                 self.pack_weights()
 
-    def _logits(self, x: Tensor, packed: Packed | None = None) -> Tensor:
+    @torch.inference_mode()
+    def _min_rows(self) -> tuple[Rows, bool]:
+        """For each decode projection (one layer's four and the LM head; the other layers have the
+        same shapes) the smallest m such that it gives a row the same bits for every row count M in
+        [m, _CHECK_ROWS] at any row position; and whether every projection has one.
+
+        Kernels pick their code paths by shape and thread count, never by values, so random rows
+        show it: each row count M runs a pool of random vectors M at a time, shifted so that each
+        vector sits at another position than in the reference (the pool at 16 rows a call), and
+        every output must equal the reference bit for bit. A bf16 output hides most changes of the
+        fp32 summation order under its rounding (measured: 1 output in ~4000 differs), so the pool
+        gives ~65k outputs per M. Measured with the torch threads set now (serving sets them
+        before the engine starts); ~0.2 s for SmolLM2.
+        """
+        layer = self.layers[0]
+        mats = [(layer.wqkv, layer.packed, "wqkv"), (layer.wo, layer.packed, "wo"),
+                (layer.w13, layer.packed, "w13"), (layer.w2, layer.packed, "w2"),
+                (self.lm_head, self.head_packed, "lm_head")]  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        rows: Rows = {}
+        for w, packed, name in mats:
+            n, k = w.shape
+            pool = -(-_CHECK_OUTPUTS // (n * _CHECK_ROWS)) * _CHECK_ROWS  # vectors, a multiple of 16
+            xs = torch.randn(pool, k, generator=gen).to(w.dtype).to(w.device)
+            ref = torch.cat([_linear(x, w, packed, name) for x in xs.split(_CHECK_ROWS)])
+            rows[name] = 1
+            for m in range(_CHECK_ROWS, 0, -1):
+                calls = -(-_CHECK_OUTPUTS // (n * m))
+                order = torch.arange(m + 1, m + 1 + calls * m) % pool  # each vector moved to another row
+                got = torch.cat([_linear(xs[o], w, packed, name) for o in order.split(m)])
+                if not torch.equal(got, ref[order]):
+                    if m == _CHECK_ROWS:
+                        return {}, False
+                    rows[name] = m + 1
+                    break
+        return {k: v for k, v in rows.items() if v > 1}, True
+
+    def _logits(self, x: Tensor, packed: Packed | None = None, rows: Rows | None = None) -> Tensor:
         """x [N, D] -> fp32 logits [N, vocab]."""
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return _linear(x, self.lm_head, packed, "lm_head").float()
+        return _linear(x, self.lm_head, packed, "lm_head", rows).float()
 
     def _rope(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         return cos.to(self.dtype), sin.to(self.dtype)
@@ -185,6 +278,9 @@ class Llama(nn.Module):
         """One token for each of B sequences: writes its K/V at (slot, position), returns logits [B, V].
 
         Row b attends over its slot's positions [0, positions[b]]; rows may have different lengths.
+        Batch-invariant (module docstring): a projection that a kernel treats differently below
+        `decode_rows[name]` rows runs on zero-padded rows; attention runs over the longest row
+        rounded up to a multiple of 16 positions.
         """
         c = self.config
         if not self._packing_done:
@@ -192,15 +288,17 @@ class Llama(nn.Module):
         b = int(tokens.shape[0])
         pos = positions.tolist()
         sel = _slot_selector(slots.tolist(), b, cache, pos)
-        length = max(pos) + 1
+        length = _attention_length(max(pos) + 1)
+        cached = min(length, cache.max_len)  # a cache shorter than that: the rest is zero padding
         seen = torch.arange(length) <= positions[:, None]  # [B, L]: which cached positions row b sees
         bias = torch.zeros(b, 1, 1, length).masked_fill_(~seen.view(b, 1, 1, length), float("-inf"))
-        cos, sin = self._rope(*self.rope.gather(positions, length - 1))  # [B, hd]
+        cos, sin = self._rope(*self.rope.gather(positions, max(pos)))  # [B, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, hd] broadcast over heads
         groups = c.num_heads // c.num_kv_heads
+        rows = self.decode_rows
         x = F.embedding(tokens, self.embed)  # [B, D]
         for i, layer in enumerate(self.layers):
-            qk, v = layer.qkv_heads(x, layer.packed)  # [B, H+KVH, hd], [B, KVH, hd]
+            qk, v = layer.qkv_heads(x, layer.packed, rows)  # [B, H+KVH, hd], [B, KVH, hd]
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [B, H, hd], [B, KVH, hd]
             ck, cv = cache.k[i], cache.v[i]
@@ -208,12 +306,21 @@ class Llama(nn.Module):
             cv[slots, :, positions] = v.to(cv.dtype)
             # K is read transposed: copy its visible rows once (a plain row copy) rather than let
             # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
-            kk = ck[sel, :, :length].to(self.dtype).contiguous()  # [B, KVH, L, hd]
-            vv = cv[sel, :, :length].to(self.dtype)  # a strided view is as fast as a copy here
+            kk = ck[sel, :, :cached].to(self.dtype).contiguous()  # [B, KVH, L, hd]
+            vv = cv[sel, :, :cached].to(self.dtype)  # a strided view is as fast as a copy here
+            if cached < length:  # (the products with a strided V or a copy of it are the same bits)
+                kk, vv = F.pad(kk, (0, 0, 0, length - cached)), F.pad(vv, (0, 0, 0, length - cached))
             qg = q.view(b, c.num_kv_heads, groups, c.head_dim)  # the G query heads sharing a KV head
             o = _attend(qg, kk, vv, bias, c.head_dim**-0.5)  # [B, KVH, G, hd]
-            x = layer.finish(x, o.reshape(b, -1), layer.packed)
-        return self._logits(x, self.head_packed)
+            x = layer.finish(x, o.reshape(b, -1), layer.packed, rows)
+        return self._logits(x, self.head_packed, rows)
+
+
+def _attention_length(n: int) -> int:
+    """Keys a decode step attends over for a longest row of n tokens: n rounded up to a multiple of
+    _ATTN_BLOCK, so that a row's key columns never fall in the QK^T matmul's partial last block nor
+    below the softmax's vector width (module docstring). Past a cache's max_len the keys are zeros."""
+    return -(-n // _ATTN_BLOCK) * _ATTN_BLOCK
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:

@@ -1,0 +1,171 @@
+"""Batch invariance of decode: a request's per-step logits (so its greedy tokens) are bit-identical
+alone and in batches of any size with other ragged requests, in fp32 and bf16 compute (the
+soak benchmark's "0 mismatches with --dtype fp32"; rngd_pd.model.llama's docstring says how)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from rngd_pd.engine.decode import DecodeEngine
+from rngd_pd.engine.prefill import PrefillEngine
+from rngd_pd.engine.request import DecodeRequest
+from rngd_pd.model import KVCache
+from rngd_pd.model import llama as llama_mod
+from rngd_pd.model.llama import Llama
+from rngd_pd.model.sampling import SamplingParams
+
+BF16 = torch.bfloat16
+TEXT = ("the game of go is played on a board of nineteen lines where two players place black and white "
+         "stones in turn and try to surround more territory than the other")
+WORDS = TEXT.split(" ")
+STEPS = 12
+
+
+def _prompt(tokenizer, n_words: int, offset: int) -> list[int]:
+    return tokenizer.encode(" ".join(WORDS[(offset + i) % len(WORDS)] for i in range(n_words)))
+
+
+@pytest.fixture(scope="module")
+def models(smollm) -> dict[str, Llama]:
+    """The embedded model in fp32 (the session fixture) and in bf16 compute (a copy of its weights)."""
+    bf16 = Llama(smollm.config, BF16)
+    bf16.load_state_dict(smollm.model.state_dict())
+    bf16.eval().prepare_decode()
+    smollm.model.prepare_decode()
+    return {"fp32": smollm.model, "bf16": bf16}
+
+
+Row = tuple[list[int], int, int]  # prompt, first step in the batch, step after its last
+
+
+def _trace(
+    model: Llama, target: list[int], others: list[Row], slot: int, slots: int, max_len: int
+) -> torch.Tensor:
+    """The target's logits [STEPS, V] decoded greedily in `slot`, the other rows joining and leaving
+    the batch at their steps (so the batch size changes under the target)."""
+    cache = KVCache(model.config, slots, max_len, BF16)
+    free = [s for s in range(slots) if s != slot]
+    rows = [(target, 0, STEPS, slot)] + [(p, a, e, free[i]) for i, (p, a, e) in enumerate(others)]
+    state = {}
+    for p, _, _, s in rows:
+        logits, kv = model.prefill(torch.tensor(p), kv_dtype=BF16)
+        cache.load_all(s, kv)
+        state[s] = (int(logits.argmax()), len(p))
+    out = []
+    for step in range(STEPS):
+        active = sorted(s for _, a, e, s in rows if a <= step < e)
+        tokens = torch.tensor([state[s][0] for s in active])
+        positions = torch.tensor([state[s][1] for s in active])
+        logits = model.decode_step(tokens, positions, cache, torch.tensor(active))
+        for i, s in enumerate(active):
+            state[s] = (int(logits[i].argmax()), state[s][1] + 1)
+        out.append(logits[active.index(slot)].clone())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_step_logits_are_bit_identical_alone_and_in_ragged_batches(models, smollm, dtype) -> None:
+    model, tok = models[dtype], smollm.tokenizer
+    for target_words in (3, 12):  # ~5 and ~15 tokens: lengths below and across a 16-key block
+        target = _prompt(tok, target_words, 0)
+        alone = _trace(model, target, [], 0, 1, len(target) + STEPS)
+        batches = {
+            "one longer": ([(_prompt(tok, 30, 3), 0, STEPS)], 0, 4, 96),
+            "two, one leaves": ([(_prompt(tok, 2, 5), 0, 5), (_prompt(tok, 20, 1), 0, STEPS)], 1, 3, 64),
+            "four joining late": ([(_prompt(tok, 4 + 9 * i, i), 2 + i, STEPS) for i in range(4)], 4, 5, 80),
+            "seven ragged": ([(_prompt(tok, 2 + 7 * i, i), i % 3, STEPS - i) for i in range(7)], 7, 8, 128),
+            "big bucket": ([(_prompt(tok, 50, 2), 0, STEPS)], 1, 2, 2048),
+        }
+        for name, (others, slot, slots, max_len) in batches.items():
+            got = _trace(model, target, others, slot, slots, max_len)
+            same = [bool(torch.equal(a, b)) for a, b in zip(alone, got, strict=True)]
+            assert all(same), f"{dtype} target of {len(target)} tokens, {name}: steps {same}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_greedy_and_logits_alone_equal_continuous_batching(models, smollm, monkeypatch, dtype) -> None:
+    """Through DecodeEngine: 8 ragged requests in 8 slots (two buckets, finishing at different
+    steps) against each alone in a one-slot engine; every step's logits and every token equal."""
+    loaded = dataclasses.replace(smollm, model=models[dtype])
+    tok = smollm.tokenizer
+    prompts = [_prompt(tok, 2 + 6 * i, i) for i in range(8)]
+    params = [SamplingParams(max_tokens=4 + i % 5, ignore_eos=True) for i in range(8)]
+    pre = PrefillEngine(loaded, chunk_size=None)
+    results = [pre.prefill(f"p{i}", p, params[i]) for i, p in enumerate(prompts)]
+    seen: dict[tuple[int, int, int], torch.Tensor] = {}  # (cache, slot, position) -> logits row
+    real_step = loaded.model.decode_step
+
+    def recording_step(tokens, positions, cache, slots):
+        out = real_step(tokens, positions, cache, slots)
+        for i, (s, p) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+            seen[(id(cache), s, p)] = out[i].clone()
+        return out
+
+    monkeypatch.setattr(loaded.model, "decode_step", recording_step)
+
+    def run(indices: list[int], num_slots: int) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+        seen.clear()
+        where: dict[int, tuple[int, int]] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in indices}
+        done = {i: threading.Event() for i in indices}
+        with DecodeEngine(loaded, num_slots=num_slots, max_len=160, buckets=[40, 160]) as eng:
+            for i in indices:
+                res = results[i]
+
+                def load(cache, slot, i=i, res=res):
+                    where[i] = (id(cache), slot)
+                    cache.load_all(slot, res.kv)
+
+                def emit(ev, i=i):
+                    if ev.token_id is not None:
+                        tokens[i].append(ev.token_id)
+                    if ev.finished:
+                        done[i].set()
+
+                eng.submit(DecodeRequest(f"r{i}", res.num_tokens, res.first_token, params[i], load, emit))
+            for ev in done.values():
+                assert ev.wait(120)
+        n = {i: results[i].num_tokens for i in indices}
+        return {i: (tokens[i], [seen[(*where[i], p)] for p in range(n[i], n[i] + len(tokens[i]) - 1)])
+                for i in indices}  # fmt: skip
+
+    together = run(list(range(8)), 8)
+    for i in range(8):
+        (alone_tokens, alone_logits), (tokens, logits) = run([i], 1)[i], together[i]
+        assert tokens == alone_tokens, f"request {i}"
+        assert len(logits) == params[i].max_tokens - 1
+        assert all(torch.equal(a, b) for a, b in zip(alone_logits, logits, strict=True)), f"request {i}"
+
+
+def test_min_rows_are_measured_and_attention_lengths_rounded(models) -> None:
+    for model in models.values():
+        assert model.decode_invariant
+        assert all(1 < m <= llama_mod._CHECK_ROWS for m in model.decode_rows.values())
+    assert [llama_mod._attention_length(n) for n in (1, 15, 16, 17, 57)] == [16, 16, 16, 32, 64]
+
+
+def test_min_rows_finds_the_row_counts_a_kernel_treats_differently(models, monkeypatch) -> None:
+    """_min_rows against fake kernels: one that changes below 3 rows, one that changes by position."""
+    model = models["fp32"]
+    real = llama_mod._linear
+
+    def below_three(x, w, packed, name, rows=None):
+        y = real(x, w, packed, name, rows)
+        return y.nextafter(torch.full_like(y, float("inf"))) if x.shape[0] < 3 and name == "w2" else y
+
+    monkeypatch.setattr(llama_mod, "_linear", below_three)
+    rows, ok = model._min_rows()
+    assert ok and rows["w2"] == 3 and all(rows.get(n, 1) <= 2 for n in ("wqkv", "wo", "w13", "lm_head"))
+
+    def by_position(x, w, packed, name, rows=None):
+        y = real(x, w, packed, name, rows)
+        if name == "lm_head" and x.shape[0] > 1:
+            y[-1] = y[-1].nextafter(torch.full_like(y[-1], float("inf")))
+        return y
+
+    monkeypatch.setattr(llama_mod, "_linear", by_position)
+    assert model._min_rows() == ({}, False)

@@ -96,7 +96,8 @@ class NixlUcxTransport(Closing):
         self.capacity_wait_s = capacity_wait_s
         progress_delay_us()  # a bad setting fails here, before the relay or NIXL is touched
         # first: a missing relay address fails before NIXL starts
-        self.relay = RelayClient(addr, secret, config=o)
+        # the relay connection keeps its own settings (AIRM_KV_TCP_LOG, ...); only where it is comes from ours
+        self.relay = RelayClient(addr or o.addr, secret if secret is not None else o.secret)
         apply_ucx_env(ucx_env)  # effective only if this process has no agent yet
         self.ep = ucx_endpoint.endpoint(o.pool_mb << 20)
         self.publisher = Publisher(self.relay, self.ep.free_token)

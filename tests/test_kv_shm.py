@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -222,3 +223,85 @@ def test_reader_mappings_of_dead_slots_are_dropped(root, monkeypatch):
         reader.pull("k2", 0, bytearray(1), 1.0)  # a new mapping triggers the prune
         assert len(reader._maps.maps) == 1 and reader._maps.total == 1 + shm.TRAILER.size
         writer2.close()
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_slot_and_a_mapping_cost_one_and_two_files_and_are_given_back_when_idle(root):
+    with ShmTransport(root=root) as writer, ShmTransport(root=root) as reader:
+        writer.push("warm", 0, b"w")  # the pool's lock file and its keeper thread exist from here
+        reader.pull("warm", 0, bytearray(1), 1.0)
+        base = open_files()
+        for i in range(20):
+            writer.push("k", i, bytes([i]) * (1000 + i))  # 20 sizes: 20 slots
+        assert open_files() - base == 20  # the mapping's own descriptor only
+        for i in range(20):
+            reader.pull("k", i, bytearray(1000 + i), 1.0)
+        assert open_files() - base == 20 + 40
+        reader.release("k")
+        writer.housekeep()
+        assert writer._pool.idle_count == 20  # freed, kept for reuse for now
+        writer._pool.trim(idle_s=0.0)
+        reader._maps.idle_s = 0.0
+        reader.housekeep()
+        assert writer._pool.idle_count == 0 and len(reader._maps) == 0
+        assert open_files() - base <= 0
+
+
+def test_idle_slots_are_capped_by_count_as_well_as_bytes(root):
+    with ShmTransport(root=root) as t:
+        t._writer_pool().max_idle_slots = 5
+        for i in range(12):
+            t.push("k", i, b"x" * 100)
+        t.release("k")
+        t.push("k2", 0, b"x" * 100)  # reclaims the freed slots: at most 5 stay idle
+        assert t._pool.idle_count <= 5
+        assert len([n for n in os.listdir(t._pool.dir) if n != "lock"]) <= 6
+
+
+def test_the_keeper_trims_without_any_request(root, monkeypatch):
+    monkeypatch.setattr(shmpool.MapCache, "PRUNE_EVERY_S", 0.05)
+    with ShmTransport(root=root) as t:
+        t._writer_pool().idle_s = 0.0
+        t.push("k", 0, b"x" * 100)
+        t.release("k")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [n for n in os.listdir(t._pool.dir) if n != "lock"]:
+            time.sleep(0.05)
+        assert [n for n in os.listdir(t._pool.dir) if n != "lock"] == []
+    assert not any(th.name == "shm-keeper" for th in threading.enumerate())
+
+
+def test_out_of_files_is_a_capacity_error_naming_ulimit(root):
+    """In a child whose hard limit is 64 files, blobs in flight run out of descriptors."""
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from rngd_pd.errors import TransportCapacityError
+from rngd_pd.kv.shm import ShmTransport
+t = ShmTransport(root={root!r})
+try:
+    for i in range(200):
+        t.push("k", i, b"x" * 100)
+except TransportCapacityError as e:
+    print("CAPACITY", i, e)
+t.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CAPACITY" in out.stdout and "ulimit -n" in out.stdout, out.stdout
+
+
+def test_the_soft_file_limit_is_raised_towards_the_hard_one():
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+from rngd_pd.kv.shmpool import raise_fd_limit
+print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4096", "4096"]

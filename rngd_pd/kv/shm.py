@@ -86,12 +86,35 @@ class ShmTransport(Closing):
         self._pool_mb = pool_mb
         self._last_sweep = 0.0
         self._maps = MapCache(pool_mb << 20)
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     def _writer_pool(self) -> SlotPool:
         with self._pool_lock:
             if self._pool is None:
                 self._pool = SlotPool(self.root, self._pool_mb << 20)
+                self._start_keeper()
             return self._pool
+
+    def _start_keeper(self) -> None:
+        """One housekeeping thread per transport in use: idle slots and mappings are given back and
+        expired keys swept even when no request comes (after a burst, nothing else would run)."""
+        if self._keeper is None and not self._stop.is_set():
+            self._keeper = threading.Thread(target=self._keep, name="shm-keeper", daemon=True)
+            self._keeper.start()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(MapCache.PRUNE_EVERY_S):
+            with contextlib.suppress(Exception):  # housekeeping must never take the process down
+                self.housekeep()
+
+    def housekeep(self) -> None:
+        """Trim the writer pool and the reader's mappings, and sweep expired keys when due."""
+        pool = self._pool
+        if pool is not None:
+            pool.trim()
+            self._maybe_sweep()
+        self._maps.prune()
 
     def _blob_path(self, key: str, index: int) -> str:
         if not isinstance(index, int) or index < 0:
@@ -144,6 +167,9 @@ class ShmTransport(Closing):
         mv = as_writable_bytes(out)
         path = self._blob_path(key, index)
         fd = self._wait_open(path, key, index, timeout)
+        if self._keeper is None:
+            with self._pool_lock:
+                self._start_keeper()
         try:
             data = self._maps.view(fd)
         finally:
@@ -208,8 +234,12 @@ class ShmTransport(Closing):
         return self._pool.held_bytes() if self._pool else (0, 0)
 
     def close(self) -> None:
+        self._stop.set()
         with self._pool_lock:
             pool, self._pool = self._pool, None
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=5)
         if pool is not None:
             pool.close()
         self._maps.clear()

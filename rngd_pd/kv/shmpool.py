@@ -10,6 +10,7 @@ import errno
 import fcntl
 import mmap
 import os
+import resource
 import shutil
 import threading
 import time
@@ -23,6 +24,26 @@ from rngd_pd.kv.buffers import make_room
 
 MAP_FLAGS = mmap.MAP_SHARED | mmap.MAP_POPULATE
 FULL_SCAN_EVERY_S = 0.05
+IDLE_TRIM_S = 30.0  # an idle slot or reader mapping unused this long is given back (pool follows the load)
+FD_LIMIT_WANTED = 1 << 16  # what servers raise their soft open-files limit to (as vLLM does)
+
+
+def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> int:
+    """Raise this process's soft RLIMIT_NOFILE towards `wanted` (never above the hard limit) and
+    return it: every slot and cached mapping holds a file (CPython's mmap keeps its own descriptor),
+    and a login shell's soft default of 1024 runs out at about a dozen concurrent requests."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft if soft != resource.RLIM_INFINITY else wanted
+
+
+def file_budget() -> int:
+    """Files one pool or map cache may keep open while idle: a quarter of the soft limit."""
+    return max(64, raise_fd_limit() // 4)
 
 
 def make_dir(path: str) -> None:
@@ -32,27 +53,40 @@ def make_dir(path: str) -> None:
 
 
 class Slot:
-    __slots__ = ("arr", "fd", "path", "pending", "size")
+    """A slot file, mapped and faulted once. It holds no descriptor of its own: the mapping keeps the
+    one CPython's mmap dups, and the link count is read by path (the slot's name is the pool's)."""
+
+    __slots__ = ("arr", "idle_since", "path", "pending", "size")
 
     def __init__(self, fd: int, path: str, size: int) -> None:
-        self.fd, self.path, self.size = fd, path, size
+        self.path, self.size = path, size
         self.pending = True  # taken but not yet linked under a key: busy although its link count is 1
-        self.arr = np.frombuffer(mmap.mmap(fd, size, flags=MAP_FLAGS), np.uint8)  # mapped and faulted once
+        self.idle_since = 0.0
+        self.arr = np.frombuffer(mmap.mmap(fd, size, flags=MAP_FLAGS), np.uint8)
 
     def is_free(self) -> bool:
-        return not self.pending and os.fstat(self.fd).st_nlink <= 1
+        if self.pending:
+            return False
+        try:
+            return os.stat(self.path).st_nlink <= 1
+        except FileNotFoundError:
+            return True  # the pool directory was removed under us: nobody can link to it any more
 
 
 class SlotPool:
     """One writer's slot files: busy ones (linked under a key) and idle ones by size."""
 
-    def __init__(self, root: str, max_idle_bytes: int) -> None:
+    def __init__(self, root: str, max_idle_bytes: int, max_idle_slots: int | None = None,
+                 idle_s: float = IDLE_TRIM_S) -> None:
         self.dir = os.path.join(root, "pool", f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         make_dir(self.dir)
         self.lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.max_idle = max_idle_bytes
+        self.max_idle_slots = max_idle_slots or file_budget()
+        self.idle_s = idle_s
         self.idle: dict[int, list[Slot]] = {}
+        self.idle_count = 0
         self.idle_bytes = 0
         self.busy: deque[Slot] = deque()
         self.count = 0
@@ -76,17 +110,44 @@ class SlotPool:
     def _to_idle(self, slot: Slot) -> None:
         """Keep a freed slot for the next blob of its size; idle slots of other sizes make room first
         (buffers.make_room), so the pool follows the workload instead of pinning yesterday's sizes."""
-        self.idle_bytes, fits = make_room(self.idle, slot.size, self.idle_bytes, self.max_idle, self._destroy)
-        if not fits:
+        self.idle_bytes, fits = make_room(self.idle, slot.size, self.idle_bytes, self.max_idle, self._dropped)
+        if not fits or self.idle_count >= self.max_idle_slots:
             self._destroy(slot)
             return
+        slot.idle_since = time.monotonic()
         self.idle.setdefault(slot.size, []).append(slot)
         self.idle_bytes += slot.size
+        self.idle_count += 1
+
+    def _dropped(self, slot: Slot) -> None:
+        """An idle slot make_room gave up (it already took the bytes off)."""
+        self.idle_count -= 1
+        self._destroy(slot)
 
     def _destroy(self, slot: Slot) -> None:
-        os.close(slot.fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(slot.path)
+        slot.arr = None  # the mapping (and its descriptor) goes with the last view of it
+
+    def trim(self, idle_s: float | None = None) -> int:
+        """Give back idle slots unused for `idle_s` (default: the pool's): the pool keeps what the load
+        in flight needs, not its peak for ever. Returns how many went."""
+        cutoff = time.monotonic() - (self.idle_s if idle_s is None else idle_s)
+        gone = 0
+        with self.mutex:
+            self._reclaim(full=True)
+            for size, slots in list(self.idle.items()):
+                keep = [s for s in slots if s.idle_since > cutoff]  # lists are in return order
+                for slot in slots[: len(slots) - len(keep)]:
+                    self._destroy(slot)
+                gone += len(slots) - len(keep)
+                self.idle_bytes -= size * (len(slots) - len(keep))
+                if keep:
+                    self.idle[size] = keep
+                else:
+                    del self.idle[size]
+            self.idle_count -= gone
+        return gone
 
     def take(self, size: int) -> Slot:
         """A slot file of exactly `size` bytes whose pages already exist."""
@@ -99,6 +160,7 @@ class SlotPool:
             free = self.idle.get(size)
             if free:
                 self.idle_bytes -= size
+                self.idle_count -= 1
                 slot = free.pop()
             else:
                 slot = self._create(size)
@@ -109,18 +171,18 @@ class SlotPool:
     def _create(self, size: int) -> Slot:
         self.count += 1
         path = os.path.join(self.dir, f"{self.count}-{size}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise _slot_error(e, path, size) from None
         try:
             os.posix_fallocate(fd, 0, size)  # allocate (and zero) every page now
             return Slot(fd, path, size)
         except OSError as e:
-            os.close(fd)
             os.unlink(path)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TransportCapacityError(
-                    f"/dev/shm is full: cannot allocate {size} bytes under {self.dir}; release "
-                    "finished requests, lower concurrency or enlarge /dev/shm") from None
-            raise TransportError(f"cannot allocate shm slot {path}: {e}") from None
+            raise _slot_error(e, path, size) from None
+        finally:
+            os.close(fd)
 
     def give_back(self, slot: Slot) -> None:
         """A slot that was never published (failed push) goes straight back."""
@@ -139,25 +201,41 @@ class SlotPool:
     def close(self) -> None:
         with self.mutex:
             for slot in [*self.busy, *(s for v in self.idle.values() for s in v)]:
-                os.close(slot.fd)
+                slot.arr = None
             self.busy.clear()
             self.idle.clear()
+            self.idle_count = self.idle_bytes = 0
             shutil.rmtree(self.dir, ignore_errors=True)  # linked blobs stay readable until released
             os.close(self.lock_fd)
+
+
+def _slot_error(e: OSError, path: str, size: int) -> TransportError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TransportCapacityError(
+            f"/dev/shm is full: cannot allocate {size} bytes at {path}; release finished requests, "
+            "lower concurrency or enlarge /dev/shm")
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return TransportCapacityError(
+            f"out of open files allocating shm slot {path} (each KV blob in flight holds one): raise "
+            "`ulimit -n` (the hard limit; the server raises its soft limit itself) or lower concurrency")
+    return TransportError(f"cannot allocate shm slot {path}: {e}")
 
 
 class MapCache:
     """Read-only mappings of blob files by inode, so a recycled slot is not mapped (faulted) again.
 
-    Each entry keeps its file open; a file whose last name is gone (its writer closed or shrank its
-    pool) is dropped at the next prune, so the cache never pins memory nobody can reach.
+    Each entry keeps its file open (to see its link count; its mapping holds a second descriptor); a
+    file whose last name is gone (its writer closed or trimmed its pool) or unused for `idle_s` is
+    dropped at the next prune, so the cache never pins memory nobody can reach nor files after a burst.
     """
 
     PRUNE_EVERY_S = 1.0
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_entries: int | None = None, idle_s: float = IDLE_TRIM_S) -> None:
         self.max_bytes = max_bytes
-        self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()
+        self.max_entries = max_entries or max(1, file_budget() // 2)
+        self.idle_s = idle_s
+        self.maps: OrderedDict[tuple[int, int], tuple[int, np.ndarray, float]] = OrderedDict()
         self.total = 0
         self.lock = threading.Lock()
         self.pruned = time.monotonic()
@@ -165,20 +243,22 @@ class MapCache:
     def view(self, fd: int) -> np.ndarray:
         st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino)
+        now = time.monotonic()
         with self.lock:
             hit = self.maps.get(ident)
             if hit is not None and len(hit[1]) == st.st_size:
+                self.maps[ident] = (hit[0], hit[1], now)
                 self.maps.move_to_end(ident)
                 return hit[1]
         arr = np.frombuffer(mmap.mmap(fd, st.st_size, flags=MAP_FLAGS, prot=mmap.PROT_READ), np.uint8)
         with self.lock:
             self._forget(ident)
-            self.maps[ident] = (os.dup(fd), arr)
+            self.maps[ident] = (os.dup(fd), arr, now)
             self.total += len(arr)
-            while self.total > self.max_bytes and len(self.maps) > 1:
+            while (self.total > self.max_bytes or len(self.maps) > self.max_entries) and len(self.maps) > 1:
                 self._forget(next(iter(self.maps)))
-            if time.monotonic() - self.pruned > self.PRUNE_EVERY_S:
-                self._prune()
+            if now - self.pruned > self.PRUNE_EVERY_S:
+                self._prune(now)
         return arr
 
     def _forget(self, ident: tuple[int, int]) -> None:
@@ -187,10 +267,20 @@ class MapCache:
             os.close(entry[0])
             self.total -= len(entry[1])  # unmapped once no pull uses it
 
-    def _prune(self) -> None:
-        self.pruned = time.monotonic()
-        for ident in [i for i, (fd, _) in self.maps.items() if os.fstat(fd).st_nlink == 0]:
+    def _prune(self, now: float) -> None:
+        self.pruned = now
+        cutoff = now - self.idle_s
+        dead = [i for i, (fd, _, used) in self.maps.items() if used < cutoff or os.fstat(fd).st_nlink == 0]
+        for ident in dead:
             self._forget(ident)
+
+    def prune(self) -> None:
+        """Drop dead and long-unused mappings now (the transport's housekeeping calls it when idle)."""
+        with self.lock:
+            self._prune(time.monotonic())
+
+    def __len__(self) -> int:
+        return len(self.maps)
 
     def clear(self) -> None:
         with self.lock:

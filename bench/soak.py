@@ -595,7 +595,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of clients that close every stream after 1-3 chunks")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may wait for a response")
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples during the load")
-    p.add_argument("--settle-s", type=float, default=30.0,
+    p.add_argument("--settle-s", type=float, default=90.0,
                    help="after the load, wait up to this long for the resources to return to the baseline")
     p.add_argument("--rss-pct", type=float, default=10.0, help="RSS growth tolerance per stub, percent")
     p.add_argument("--rss-mb", type=float, default=64.0, help="RSS growth tolerance per stub, MB on top")

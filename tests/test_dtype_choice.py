@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import types
 
 import pytest
 
@@ -166,10 +167,13 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
     import torch
 
     import rngd_pd.model
+    from rngd_pd.devices import runtime
     from rngd_pd.triton.serving import PrefillParams, load_for
 
     loaded: list = []
     monkeypatch.setattr(rngd_pd.model, "load_model", lambda path, dtype, progress: loaded.append(dtype))
+    monkeypatch.setattr(runtime, "runtime_for", lambda device, model: types.SimpleNamespace(
+        memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29)))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.delenv(params.ENV_DTYPE, raising=False)
     load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"})

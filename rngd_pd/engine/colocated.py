@@ -10,9 +10,9 @@ import itertools
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-import torch
-
+from rngd_pd.devices.runtime import DeviceRuntime, as_runtime
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.request import DecodeRequest, GenerationResult, TokenEvent
@@ -27,18 +27,19 @@ class ColocatedEngine:
 
     def __init__(
         self,
-        loaded,
+        loaded: DeviceRuntime | Any,
         num_slots: int = 1,
         max_len: int | None = None,
-        kv_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: Any = "bf16",
         chunk_size: int | None = 512,
         max_queue: int = 64,
         buckets: Sequence[int] | Mapping[int, int] | None = None,
     ) -> None:
-        self.loaded = loaded
+        self.runtime = as_runtime(loaded)
+        self.loaded = loaded = self.runtime.loaded
         max_len = min(max_len or loaded.config.max_context, loaded.config.max_context)
-        self.prefill_engine = PrefillEngine(loaded, kv_dtype, chunk_size, max_context=max_len)
-        self.decode_engine = DecodeEngine(loaded, num_slots, max_len, kv_dtype, max_queue, buckets)
+        self.prefill_engine = PrefillEngine(self.runtime, kv_dtype, chunk_size, max_context=max_len)
+        self.decode_engine = DecodeEngine(self.runtime, num_slots, max_len, kv_dtype, max_queue, buckets)
         self.decode_engine.start()
         # one prefill at a time: concurrent prefills only fight over the same
         # cores (and their OpenMP teams oversubscribe them) and delay every first token

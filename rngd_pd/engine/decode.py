@@ -22,10 +22,9 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-import torch
-
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime
 from rngd_pd.engine.request import (
     DecodeRequest,
     RequestState,
@@ -33,7 +32,6 @@ from rngd_pd.engine.request import (
     check_request,
 )
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
-from rngd_pd.model.cache import KVCache
 from rngd_pd.model.sampling import FinishReason, Sampler
 from rngd_pd.workers import RequestPool
 
@@ -80,17 +78,16 @@ class _Entry:
 class _Bucket:
     """One preallocated KVCache of `slots` sequences of up to `max_len` tokens, plus step buffers."""
 
-    def __init__(self, config, slots: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, runtime: DeviceRuntime, slots: int, max_len: int, dtype: Any) -> None:
         self.max_len = max_len
-        self.cache = KVCache(config, slots, max_len, dtype)
+        self.cache = runtime.new_cache(slots, max_len, dtype)
         self.free = list(range(slots))  # a heap: the lowest free slot first, so active slots stay
         # mostly contiguous and the step reads the cache as one view instead of a gather
         self.active: dict[int, _Entry] = {}
-        # numpy views of torch tensors: one vectorised fill per step, nothing allocated
-        self._np = np.zeros((3, slots), dtype=np.int64)
-        self._t = torch.from_numpy(self._np)
+        # a numpy view of the step's index input: one vectorised fill per step, nothing allocated
+        self._np, self._t = runtime.step_buffers(slots)
 
-    def step_inputs(self, rows: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_inputs(self, rows: list[_Entry]) -> tuple[Any, Any, Any]:
         n = len(rows)
         self._np[0, :n] = [e.last_token for e in rows]
         self._np[1, :n] = [e.position for e in rows]
@@ -127,10 +124,10 @@ class DecodeEngine:
 
     def __init__(
         self,
-        loaded,
+        loaded: DeviceRuntime | Any,
         num_slots: int,
         max_len: int,
-        kv_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: Any = "bf16",
         max_queue: int = 64,
         buckets: Sequence[int] | Mapping[int, int] | None = None,
         loader_threads: int = 2,
@@ -140,12 +137,16 @@ class DecodeEngine:
                 f"num_slots >= 1, max_queue >= 0, loader_threads >= 1 needed; got {num_slots}, "
                 f"{max_queue}, {loader_threads}"
             )
-        self.loaded, self.config, self.model = loaded, loaded.config, loaded.model
-        self.model.prepare_decode()  # pack decode weights now, not in the first request's step
+        self.runtime = as_runtime(loaded)
+        self.loaded, self.config = self.runtime.loaded, self.runtime.loaded.config
         self.max_len = min(max_len, self.config.max_context)
-        self.num_slots, self.max_queue, self.kv_dtype = num_slots, max_queue, kv_dtype
+        self.num_slots, self.max_queue = num_slots, max_queue
+        self.kv_dtype = self.runtime.dtype(kv_dtype)
         plan = plan_buckets(num_slots, self.max_len, buckets)
-        self.buckets = [_Bucket(self.config, s, n, kv_dtype) for n, s in plan.items()]
+        # every graph built now (decode weights packed, compiled), not in the first request's step
+        self.runtime.prepare(GraphShapes(decode=tuple((s, n) for n, s in plan.items()),
+                                         kv_dtype=self.kv_dtype))
+        self.buckets = [_Bucket(self.runtime, s, n, self.kv_dtype) for n, s in plan.items()]
         self._loader_threads = loader_threads
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -311,7 +312,7 @@ class DecodeEngine:
 
     # ---- scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():
+        with self.runtime.inference():
             while True:
                 with self._lock:
                     if not self._running:
@@ -354,7 +355,7 @@ class DecodeEngine:
         """Loader thread: fill the entry's slot; a failure fails only this request."""
         try:
             assert e.bucket is not None
-            with torch.inference_mode():
+            with self.runtime.inference():
                 first = e.req.load_kv(e.bucket.cache, e.slot)
             if e.req.first_token is None:
                 if not isinstance(first, int):
@@ -396,7 +397,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         tokens, positions, slots = b.step_inputs(rows)
         try:
-            logits = self.model.decode_step(tokens, positions, b.cache, slots)
+            logits = self.runtime.decode_step(tokens, positions, b.cache, slots)
             greedy = logits.argmax(dim=-1).tolist()
         except Exception as ex:
             log.exception("decode step failed for %d requests", len(rows))

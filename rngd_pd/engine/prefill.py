@@ -10,48 +10,56 @@ i+1.. are still running.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
+import numpy as np
 
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, as_runtime
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.sampling import Sampler, SamplingParams
 
-OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
+OnLayer = Callable[[int, Any, Any], None]
 
 
 class PrefillEngine:
-    """Runs prompts one at a time (callers serialise or use one engine per thread)."""
+    """Runs prompts one at a time (callers serialise or use one engine per thread).
+
+    `loaded` is a DeviceRuntime (rngd_pd.devices.runtime), or a LoadedModel to run on the CPU.
+    """
 
     def __init__(
         self,
-        loaded,
-        kv_dtype: torch.dtype = torch.bfloat16,
+        loaded: DeviceRuntime | Any,
+        kv_dtype: Any = "bf16",
         chunk_size: int | None = 512,
         max_context: int | None = None,
     ) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1 (or None for whole prompts), got {chunk_size}")
-        self.loaded = loaded
-        self.config = loaded.config
-        self.model = loaded.model
-        self.kv_dtype = kv_dtype
+        self.runtime = as_runtime(loaded)
+        self.loaded = self.runtime.loaded
+        self.config = self.loaded.config
+        self.kv_dtype = self.runtime.dtype(kv_dtype)
         self.chunk_size = chunk_size
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
+        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk_size or self.max_context,)))
 
-    def validate(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> torch.Tensor:
-        """Check the request and return its tokens as int64 [T]; raises before any compute."""
+    def validate(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> Any:
+        """Check the request and return its tokens as the device's int64 [T]; raises before any compute."""
         check_request(len(token_ids), params, self.max_context, key=key)
         try:
-            tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            ids = np.asarray(list(token_ids))
+            if ids.dtype.kind not in "iu":
+                raise TypeError(f"got {ids.dtype} values")
+            ids = ids.astype(np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
             raise ConfigError(f"token ids must be integers: {e}", key=key) from None
         vocab = self.config.vocab_size
-        bad = (tokens < 0) | (tokens >= vocab)
-        if bool(bad.any()):
-            first = int(tokens[bad][0])
-            raise ConfigError(f"token id {first} is outside the vocabulary [0, {vocab})", key=key)
-        return tokens
+        bad = (ids < 0) | (ids >= vocab)
+        if bad.any():
+            raise ConfigError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab})", key=key)
+        return self.runtime.tokens(ids)
 
     def prefill(
         self,
@@ -64,27 +72,26 @@ class PrefillEngine:
         """Prefill one prompt; the first token is drawn with the request's sampler (draw 0).
 
         chunk_size -1 uses the engine's default, None prefills the whole prompt at once.
-        on_layer(i, K, V) gets layer i's K/V of the whole prompt [kv_heads, T, head_dim] in kv_dtype,
-        called from this thread during the last chunk; it may push to a transport but must not keep
-        mutating the tensors. An exception from on_layer aborts the prefill.
+        on_layer(i, K, V) gets layer i's K/V of the whole prompt [kv_heads, T, head_dim] in kv_dtype
+        (on the device: runtime.to_host before a transport), called from this thread during the last
+        chunk; it may push to a transport but must not keep mutating the tensors. An exception from
+        on_layer aborts the prefill.
         """
         tokens = self.validate(key, token_ids, params)
         chunk = self.chunk_size if chunk_size == -1 else chunk_size
-        with torch.inference_mode():
+        with self.runtime.inference():
             if chunk is None or len(tokens) <= chunk:
-                logits, kv = self.model.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
+                logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
             else:
                 logits, kv = self._chunked(tokens, chunk, on_layer)
             first = Sampler(params).sample(logits)
         return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv)
 
-    def _chunked(
-        self, tokens: torch.Tensor, chunk: int, on_layer: OnLayer | None
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None) -> tuple[Any, KVList]:
         cfg, total = self.config, len(tokens)
         shape = (cfg.num_kv_heads, total, cfg.head_dim)
         kv = [
-            (torch.empty(shape, dtype=self.kv_dtype), torch.empty(shape, dtype=self.kv_dtype))
+            (self.runtime.empty(shape, self.kv_dtype), self.runtime.empty(shape, self.kv_dtype))
             for _ in range(cfg.num_layers)
         ]
         logits = None
@@ -92,15 +99,14 @@ class PrefillEngine:
             end = min(start + chunk, total)
             last = end == total
 
-            def store(i: int, k: torch.Tensor, v: torch.Tensor, start: int = start, end: int = end,
-                      last: bool = last) -> None:
+            def store(i: int, k: Any, v: Any, start: int = start, end: int = end, last: bool = last) -> None:
                 kv[i][0][:, start:end].copy_(k)
                 kv[i][1][:, start:end].copy_(v)
                 if last and on_layer is not None:
                     on_layer(i, kv[i][0], kv[i][1])
 
             past = [(k[:, :start], v[:, :start]) for k, v in kv] if start else None
-            logits, _ = self.model.prefill(tokens[start:end], past=past, on_layer=store,
-                                           kv_dtype=self.kv_dtype)
+            logits, _ = self.runtime.prefill(tokens[start:end], past=past, on_layer=store,
+                                             kv_dtype=self.kv_dtype)
         assert logits is not None
         return logits, kv

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rngd_pd.errors import ConfigError, ContextLengthError
 from rngd_pd.model.sampling import FinishReason, SamplingParams, StopChecker
-
-if TYPE_CHECKING:
-    import torch
-
 
 
 @dataclass(frozen=True)
@@ -39,7 +35,7 @@ class TokenEvent:
 class PrefillResult:
     first_token: int
     num_tokens: int
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [kv_heads, num_tokens, head_dim]
+    kv: list[tuple[Any, Any]]  # per layer (K, V) [kv_heads, num_tokens, head_dim], on the device
 
 
 @dataclass

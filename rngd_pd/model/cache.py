@@ -18,7 +18,8 @@ class KVCache:
     """Per-layer K and V tensors for `num_slots` sequences of up to `max_len` tokens."""
 
     def __init__(
-        self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16
+        self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
     ) -> None:
         if num_slots < 1 or max_len < 1:
             raise ConfigError(f"KVCache needs num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
@@ -28,8 +29,9 @@ class KVCache:
         self.dtype = dtype
         shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
         # zeros() touches every page now, so no step pays page faults later.
-        self.k: list[Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.v: list[Tensor] = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        n = config.num_layers
+        self.k: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
+        self.v: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
 
     @property
     def nbytes(self) -> int:
@@ -40,7 +42,8 @@ class KVCache:
         """Copy one layer's K/V [kv_heads, T, head_dim] into `slot` at positions [start, start + T).
 
         Called by the decode side after a transfer (or by a colocated prefill). A dtype different
-        from the cache's is converted by copy_; a shape mismatch is a ConfigError.
+        from the cache's is converted by copy_, a host tensor copied to the cache's device; a shape
+        mismatch is a ConfigError.
         """
         self._check(slot, layer, k, start)
         if v.shape != k.shape:

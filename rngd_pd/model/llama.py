@@ -230,7 +230,8 @@ class Llama(nn.Module):
         return _linear(x, self.lm_head, packed, "lm_head", rows).float()
 
     def _rope(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        return cos.to(self.dtype), sin.to(self.dtype)
+        dev = self.embed.device  # the tables stay on the host; a step's rows go where the weights are
+        return cos.to(dev, self.dtype), sin.to(dev, self.dtype)
 
     @torch.inference_mode()
     def prefill(
@@ -253,7 +254,7 @@ class Llama(nn.Module):
         if past is not None and len(past) != c.num_layers:
             raise ConfigError(f"past has K/V for {len(past)} layers, the model has {c.num_layers}")
         cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
-        blocks = _causal_blocks(p, t)
+        blocks = _causal_blocks(p, t, self.embed.device)
         x = F.embedding(tokens, self.embed)  # [T, D]
         out: KV = []
         for i, layer in enumerate(self.layers):
@@ -286,13 +287,16 @@ class Llama(nn.Module):
         if not self._packing_done:
             self.prepare_decode()
         b = int(tokens.shape[0])
-        pos = positions.tolist()
+        dev = self.embed.device
+        host_pos = positions.cpu()  # the same tensor on cpu
+        pos = host_pos.tolist()
         sel = _slot_selector(slots.tolist(), b, cache, pos)
         length = _attention_length(max(pos) + 1)
         cached = min(length, cache.max_len)  # a cache shorter than that: the rest is zero padding
-        seen = torch.arange(length) <= positions[:, None]  # [B, L]: which cached positions row b sees
-        bias = torch.zeros(b, 1, 1, length).masked_fill_(~seen.view(b, 1, 1, length), float("-inf"))
-        cos, sin = self._rope(*self.rope.gather(positions, max(pos)))  # [B, hd]
+        seen = torch.arange(length, device=dev) <= positions[:, None]  # [B, L]: cached positions row b sees
+        bias = torch.zeros(b, 1, 1, length, device=dev).masked_fill_(~seen.view(b, 1, 1, length),
+                                                                     float("-inf"))
+        cos, sin = self._rope(*self.rope.gather(host_pos, max(pos)))  # [B, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, hd] broadcast over heads
         groups = c.num_heads // c.num_kv_heads
         rows = self.decode_rows
@@ -337,13 +341,13 @@ QueryBlock = tuple[int, int, Tensor]
 _BLOCK_ROWS = 128  # query rows per attention block: measured best of 64/128/256/512 here
 
 
-def _causal_blocks(p: int, t: int) -> list[QueryBlock]:
+def _causal_blocks(p: int, t: int, device: torch.device | None = None) -> list[QueryBlock]:
     """Query blocks (start, end, additive bias [rows, P+end]) for causal attention after P tokens."""
     out = []
     for s in range(0, t, _BLOCK_ROWS):
         e = min(t, s + _BLOCK_ROWS)
         hidden = torch.arange(p + e)[None, :] > (torch.arange(s, e)[:, None] + p)  # key after query
-        out.append((s, e, torch.zeros(e - s, p + e).masked_fill_(hidden, float("-inf"))))
+        out.append((s, e, torch.zeros(e - s, p + e).masked_fill_(hidden, float("-inf")).to(device)))
     return out
 
 

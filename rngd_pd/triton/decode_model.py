@@ -22,7 +22,6 @@ from rngd_pd.kv.handle import KVSpec
 from rngd_pd.model.params import FinishReason
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton.kv_io import KVReceiver
-from rngd_pd.triton.params import kv_torch_dtype
 
 Emit = Callable[[list[int], str, "BaseException | None"], None]  # (new ids, finish reason, error)
 IN_FLIGHT = "airm_decode_requests_in_flight"
@@ -40,13 +39,16 @@ class DecodeService:
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", num_slots: int = 8,
                  max_len: int = 4096, max_queue: int = 64, kv_timeout_s: float = 60.0,
                  on_kv: Callable[[float], None] | None = None) -> None:
+        from rngd_pd.devices.runtime import as_runtime
         from rngd_pd.engine.decode import DecodeEngine
 
+        runtime = as_runtime(loaded)  # serving.load_for's DeviceRuntime, or a LoadedModel for the CPU
+        loaded = runtime.loaded
         c = loaded.config
         self.loaded, self.transport = loaded, transport
         spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
-        self.engine = DecodeEngine(loaded, num_slots, max_len, kv_torch_dtype(kv_dtype), max_queue,
+        self.engine = DecodeEngine(runtime, num_slots, max_len, kv_dtype, max_queue,
                                    loader_threads=num_slots)
         self.engine.start()
         self.on_kv = on_kv  # gets each request's KV wait + transfer seconds (metrics)

@@ -54,15 +54,16 @@ def _named(transport: Any, exc: errors.TransportError, key: str, what: str) -> e
 class KVSender:
     """Pushes one request's blobs from prefill's per-layer hook; `finish` pushes the handle last."""
 
-    def __init__(self, transport: Any, key: str, spec: KVSpec) -> None:
-        self.transport, self.key, self.spec = transport, key, spec
+    def __init__(self, transport: Any, key: str, spec: KVSpec,
+                 to_host: Callable[[Any], Any] = lambda t: t) -> None:
+        self.transport, self.key, self.spec, self.to_host = transport, key, spec, to_host
         self.sizes = [0] * (2 * spec.num_layers)
         self.checksums = [0] * (2 * spec.num_layers)
         self.push_s = 0.0
 
     def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for index, tensor in ((k_index(layer), k), (v_index(layer), v)):
-            self._push(index, tensor.contiguous())
+            self._push(index, self.to_host(tensor).contiguous())  # a GPU's K/V is copied down here
 
     def _push(self, index: int, data: Any) -> None:
         view = as_bytes(data)

@@ -86,12 +86,3 @@ def instance_index(instance_name: str) -> int:
     match = re.search(r"_(\d+)$", instance_name or "")
     return int(match.group(1)) if match else 0
 
-
-def kv_torch_dtype(name: str) -> Any:
-    """torch dtype of a KV dtype name (bf16, fp16, fp32)."""
-    import torch
-
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name not in table:
-        raise ConfigError(f"kv_dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
-    return table[name]

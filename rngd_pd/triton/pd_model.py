@@ -131,11 +131,10 @@ class ColocatedModel(_GenerationModel):
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.engine.colocated import ColocatedEngine
-        from rngd_pd.triton.params import kv_torch_dtype
         from rngd_pd.triton.serving import ColocatedParams, load_for, model_params
 
         p = model_params(ColocatedParams, args)
-        self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, kv_torch_dtype(p.kv_dtype),
+        self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, p.kv_dtype,
                                       p.chunk_size or None)
         self._init_serving(args, p.max_inflight, p.max_queue)
 

@@ -16,7 +16,6 @@ from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import inputs, pbutils
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.kv_io import KVSender
-from rngd_pd.triton.params import kv_torch_dtype
 from rngd_pd.triton.serving import getter
 
 
@@ -25,17 +24,20 @@ class PrefillService:
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
                  max_len: int | None = None) -> None:
+        """loaded: a DeviceRuntime (serving.load_for), or a LoadedModel to run on the CPU."""
+        from rngd_pd.devices.runtime import as_runtime
         from rngd_pd.engine.prefill import PrefillEngine
 
-        self.loaded, self.transport, self.kv_dtype = loaded, transport, kv_dtype
-        self.engine = PrefillEngine(loaded, kv_torch_dtype(kv_dtype), chunk_size or None, max_context=max_len)
-        c = loaded.config
+        self.runtime = as_runtime(loaded)
+        self.loaded, self.transport, self.kv_dtype = self.runtime.loaded, transport, kv_dtype
+        self.engine = PrefillEngine(self.runtime, kv_dtype, chunk_size or None, max_context=max_len)
+        loaded, c = self.loaded, self.loaded.config
         self.spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
 
     def prefill(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> tuple[KVHandle, float]:
         """Prefill, push every blob and the handle; returns (handle, seconds spent pushing)."""
         self.engine.validate(key, token_ids, params)  # reject before anything is pushed
-        sender = KVSender(self.transport, key, self.spec)
+        sender = KVSender(self.transport, key, self.spec, self.runtime.to_host)
         result = self.engine.prefill(key, token_ids, params, on_layer=sender.on_layer)
         return sender.finish(result.first_token, result.num_tokens), sender.push_s
 

@@ -85,7 +85,8 @@ def check_device(params: ServingParams, args: Mapping[str, Any]) -> Any:
 
 
 def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
-    """Check the device, set torch threads, load the checkpoint (embedded model when no path).
+    """Check the device, set torch threads, load the checkpoint (embedded model when no path) and
+    bind it to the device's runtime (rngd_pd.devices.runtime): the engines run only through it.
 
     Compute dtype `auto` (the default) is bf16 where the device computes bf16 natively (CPUs with
     AVX512-BF16, AMX or Arm BF16: 2.5-4x faster than fp32, docs/model.md) and fp32 elsewhere (an AVX2
@@ -107,7 +108,14 @@ def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
     choice = choose_compute_dtype(params.dtype, device=device.kind, source=source)
     pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
                 "warn" if choice.warning else "info")
-    return load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
+    from rngd_pd.devices.runtime import runtime_for
+
+    loaded = load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
+    runtime = runtime_for(device, loaded)
+    mem = runtime.memory()
+    pbutils.log(f"{args.get('model_instance_name', '?')}: runtime {type(runtime).__name__} on {device.name} "
+                f"({mem.free >> 20} of {mem.total >> 20} MiB free)")
+    return runtime
 
 
 def getter(request: Any) -> Callable[[str], Any]:

@@ -1,0 +1,154 @@
+"""The device interface: everything the engines ask of the accelerator a graph runs on.
+
+The prefill and decode engines never import torch; they hold a `DeviceRuntime` bound to one loaded
+model on one device and go through it for the two graphs (a prompt chunk's prefill, a batched decode
+step), for buffers on the device (the KV cache) and for moving KV between host and device. A
+runtime that cannot do what it is asked raises (`DeviceUnavailableError`, `ConfigError`); nothing
+ever falls back to the CPU.
+
+    runtime = runtime_for(select_device("cuda", 0), loaded)   # or as_runtime(loaded): torch on cpu
+    runtime.prepare(GraphShapes(prefill_chunks=(512,), decode=((8, 2048),)))
+    logits, kv = runtime.prefill(runtime.tokens(ids), kv_dtype="bf16")
+    cache = runtime.new_cache(8, 2048, "bf16")
+    logits = runtime.decode_step(tokens, positions, cache, slots)
+
+Tensors crossing the interface: token ids, positions and slots are whatever `tokens()` /
+`step_buffers()` gave; logits come back on the host in fp32 (samplers run there); a prefill's KV
+comes back on the device (`to_host` copies it for a transport), `load` of a slot takes host or
+device tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rngd_pd.devices.base import Device
+
+OnLayer = Callable[[int, Any, Any], None]
+KVList = list[tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class GraphShapes:
+    """The shapes a device prepares graphs for (static-shape compilers compile one graph each).
+
+    prefill_chunks: prompt lengths a prefill graph is built for (a longer prompt runs in chunks of
+    the largest, a shorter one padded up to the next). decode: (batch width, sequence bucket) pairs.
+    Dynamic-shape devices (torch) accept any shape and use these only to warm up.
+    """
+
+    prefill_chunks: tuple[int, ...] = (512,)
+    decode: tuple[tuple[int, int], ...] = ()
+    dtype: Any = "fp32"
+    kv_dtype: Any = "bf16"  # a name or the runtime's own dtype
+
+    def describe(self) -> str:
+        widths = sorted({b for b, _ in self.decode})
+        buckets = sorted({n for _, n in self.decode})
+        return (f"prefill chunks {list(self.prefill_chunks)}, decode widths {widths} x buckets {buckets}, "
+                f"{self.dtype} compute, {self.kv_dtype} KV")
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """What the device holds and has left, in bytes (host RAM for the CPU)."""
+
+    total: int
+    free: int
+    detail: dict[str, int] = field(default_factory=dict)
+
+
+@runtime_checkable
+class DeviceRuntime(Protocol):
+    """One loaded model on one device. Thread-safety: `prefill` and `decode_step` may run on two
+    threads at once (prefill and decode instances are separate processes, the colocated engine
+    runs one of each); buffers are never shared between two calls in flight."""
+
+    device: Device
+    loaded: Any  # the LoadedModel: config, tokenizer, fingerprint
+
+    def prepare(self, shapes: GraphShapes) -> None:
+        """Build (compile, or load from the artifact cache) every graph `shapes` needs, now, so that
+        no request pays for it; raises naming the shape and op a compiler refused."""
+        ...
+
+    def dtype(self, name: Any) -> Any:
+        """The device's dtype for a name (bf16, fp16, fp32) or a dtype it already knows."""
+        ...
+
+    def inference(self) -> AbstractContextManager[Any]:
+        """The context every graph call and KV copy runs in (no autograd bookkeeping)."""
+        ...
+
+    def tokens(self, ids: Sequence[int] | Any) -> Any:
+        """Prompt token ids as the prefill graph's input (int64 [T])."""
+        ...
+
+    def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
+                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:
+        """Run T tokens after the P of `past`: host fp32 logits of the last token [vocab] and the
+        new per-layer (K, V) [kv_heads, T, head_dim] on the device; on_layer(i, K, V) gets layer i's
+        as soon as it is computed (on the device: `to_host` before handing it to a transport)."""
+        ...
+
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """An uninitialised buffer on the device (a chunked prefill assembles the prompt's KV in it)."""
+        ...
+
+    def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:
+        """A zeroed KVCache of num_slots sequences of max_len tokens, resident on the device."""
+        ...
+
+    def step_buffers(self, rows: int) -> tuple[Any, Any]:
+        """(numpy int64 [3, rows], the same memory as the decode step's index input): the engine
+        fills tokens / positions / slots in numpy, the step reads them without a copy."""
+        ...
+
+    def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:
+        """One token for each of B rows: writes their K/V into `cache`, host fp32 logits [B, vocab]."""
+        ...
+
+    def to_host(self, tensor: Any) -> Any:
+        """A host (CPU) tensor with the same bytes; the tensor itself when it already is one."""
+        ...
+
+    def to_device(self, tensor: Any) -> Any:
+        """A device tensor with the same bytes."""
+        ...
+
+    def memory(self) -> MemoryInfo:
+        """Bytes on the device: total and free (for the load log, `rngd-pd devices`, the EPP)."""
+        ...
+
+
+def as_runtime(obj: Any) -> DeviceRuntime:
+    """A runtime as is; a LoadedModel bound to torch on the CPU (what tests and tools pass)."""
+    if isinstance(obj, DeviceRuntime):
+        return obj
+    from rngd_pd.devices.torch_runtime import TorchRuntime
+
+    return TorchRuntime(Device("cpu", 0, "cpu", "host CPU"), obj)
+
+
+def runtime_for(device: Device, loaded: Any) -> DeviceRuntime:
+    """The runtime of a selected device. cpu/cuda: torch (the weights move to the GPU); rngd/atom:
+    the vendor adapter, which raises naming what it lacks. Never the CPU for a card."""
+    if device.kind in ("cpu", "cuda"):
+        from rngd_pd.devices.torch_runtime import TorchRuntime
+
+        return TorchRuntime(device, loaded)
+    if device.kind == "rngd":
+        from rngd_pd.devices.rngd import RngdRuntime
+
+        return RngdRuntime(device, loaded)
+    if device.kind == "atom":
+        from rngd_pd.devices.atom import AtomRuntime
+
+        return AtomRuntime(device, loaded)
+    from rngd_pd.devices.base import unavailable
+
+    raise unavailable(f"no runtime for device kind {device.kind!r}", "use cpu, cuda, rngd or atom")
+

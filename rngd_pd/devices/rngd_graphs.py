@@ -326,6 +326,90 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
             "refused_ops": refused_ops(proc.stderr)}
 
 
+# ---------------------------------------------------------------- the card worker (hardware only)
+
+
+def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
+    """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.pack_message), the
+    compiled graphs and KV caches resident on `furiosa:<index>`. NOT verified: written against
+    furiosa-torch 2026.4's sources (CompileModule.from_exported, .to(device), forward) without a card.
+
+    A decode step of fewer rows than a compiled width is padded with copies of its first row (same
+    token, position and slot: the padded rows write the same bits to the same place)."""
+    import torch
+    from furiosa.torch import CompileModule
+
+    from rngd_pd.devices.rngd import pack_message, read_message
+    from rngd_pd.model import load_model
+
+    dev = torch.device(f"furiosa:{index}")
+    loaded = load_model(source, dtype=_dtype(dtype), progress=False)
+    c = loaded.config
+    graphs: dict[str, Any] = {}
+    caches: dict[int, list[Any]] = {}
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but messages on the pipe
+
+    def reply(header: dict[str, Any], tensors: list[Any] | None = None) -> None:
+        stdout.write(pack_message(header, tensors or []))
+        stdout.flush()
+
+    while True:
+        try:
+            msg, ts = read_message(stdin)
+        except EOFError:
+            return 0
+        try:
+            op = msg["op"]
+            if op == "prepare":
+                rows = []
+                for spec in specs(tuple(msg["chunks"]), tuple(tuple(d) for d in msg["decode"])):
+                    t0 = time.perf_counter()
+                    try:
+                        ep = export(loaded.model, spec, _dtype(msg["kv_dtype"]))
+                        graphs[spec.name] = CompileModule.from_exported(ep, task_name=spec.name).to(dev)
+                        rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
+                    except Exception as exc:
+                        rows.append({"name": spec.name, "shape": spec.shape, "ok": False,
+                                     "error": _short(str(exc)), "refused_ops": refused_ops(str(exc))})
+                    rows[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+                reply({"rows": rows})
+            elif op == "new_cache":
+                shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
+                kv = [torch.zeros(shape, dtype=_dtype(msg["kv_dtype"])).to(dev)
+                      for _ in range(2 * c.num_layers)]
+                caches[id(kv)] = kv
+                reply({"cache": id(kv)})
+            elif op == "load":  # K/V [KVH, T, hd] of one layer (layer >= 0) or of all layers (-1)
+                kv, slot, start = caches[msg["cache"]], msg["slot"], msg["start"]
+                first = 0 if msg["layer"] < 0 else 2 * msg["layer"]
+                for j, t in enumerate(ts):
+                    host = kv[first + j].cpu()  # read-modify-write through the host (no DMA API known)
+                    host[slot, :, start:start + t.shape[1]] = t.to(host.dtype)
+                    kv[first + j] = host.to(dev)
+                reply({})
+            elif op == "prefill":
+                out = graphs[f"prefill_t{ts[0].shape[0]}"](ts[0].to(dev))
+                reply({}, [t.cpu() for t in out])
+            elif op == "decode":
+                kv = caches[msg["cache"]]
+                tokens, positions, slots = ts
+                rows, width = int(tokens.shape[0]), kv[0].shape[0]
+                name = f"decode_b{width}_l{kv[0].shape[2]}"
+                pad = width - rows
+                if pad:
+                    tokens, positions, slots = (torch.cat([x, x[:1].expand(pad)]) for x in ts)
+                out = graphs[name](tokens.to(dev), positions.to(dev), slots.to(dev), *kv)
+                caches[msg["cache"]] = list(out[1:])
+                reply({}, [out[0].cpu()[:rows]])
+            elif op == "memory":
+                reply({"total": 0, "free": 0, "detail": {}})  # no memory query in furiosa-torch 2026.4
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {_short(str(exc), 2000)}"})
+
+
 def _spec_by_name(name: str) -> GraphSpec:
     m = re.fullmatch(r"prefill_t(\d+)|decode_b(\d+)_l(\d+)", name)
     if not m:
@@ -360,7 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per graph")
     ap.add_argument("--no-cache", action="store_true", help="do not use the furiosa compiler cache")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # RngdRuntime's worker
+    ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve:
+        return serve(args.device_index, args.model, args.dtype)
     if args.one:
         row = compile_one(_spec_by_name(args.one), args.dtype, args.kv_dtype,
                           None if args.no_cache else "default")

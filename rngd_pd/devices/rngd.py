@@ -1,0 +1,321 @@
+"""FuriosaAI RNGD: the compiler check (runs here) and the runtime (needs a card).
+
+furiosa-torch 2026.4.0 pins torch 2.10 and numpy >= 2.2.6, so it lives in its own environment,
+`.venv-rngd` (`make rngd-env`), never in the serving one (torch 2.13, numpy < 2 for Triton 2.51).
+This module is imported in the serving environment and never imports furiosa: everything that
+needs the SDK runs in a `.venv-rngd` subprocess, `python -m rngd_pd.devices.rngd_graphs`.
+
+    rows = compile_check(GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048))))
+    # one dict per graph: name, shape, dtype, sdk versions, ok, seconds, stage, error, refused_ops
+
+What is verified on a host without a card (docs/devices-rngd.md has the figures): the environment
+builds; our prefill and decode graphs export and go through furiosa's own decompositions; the
+compiler runs to the end once an aarch64 cross compiler is installed (it builds the PEs' C code with
+`aarch64-linux-gnu-gcc`; without it every compile fails with "No such file or directory (os error 2)").
+
+What is NOT verified (no card, no driver here): everything in `RngdRuntime` past its checks. It
+drives a `.venv-rngd` worker (`rngd_graphs --serve`) that loads the compiled graphs onto
+`furiosa:N` (`CompileModule.to(device)`, then `forward`); written against furiosa-torch 2026.4's
+installed Python sources and the documented API, never run. Where the card or driver is missing,
+`RngdRuntime(...)` raises DeviceUnavailableError naming it; it never computes on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes.util
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rngd_pd.devices.base import Device, unavailable
+from rngd_pd.devices.npu import RNGD, cards
+from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
+from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
+
+RNGD_ENV = ".venv-rngd"
+ENV_RNGD_VENV = "RNGD_PD_RNGD_VENV"  # another location of the environment (containers)
+MAKE_HINT = "run `make rngd-env` in the repository (furiosa-torch 2026.4.0 in its own .venv-rngd)"
+DEFAULT_SHAPES = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype="bf16")
+DRIVER_LIB = "renegade"  # librenegade.so, the HAL library of the RNGD driver (the SDK panics without it)
+_GRAPHS = "rngd_pd.devices.rngd_graphs"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def rngd_env(env: Mapping[str, str] | None = None) -> Path:
+    """Where the RNGD environment is (or would be): $RNGD_PD_RNGD_VENV, else <repo>/.venv-rngd."""
+    env = os.environ if env is None else env
+    return Path(env[ENV_RNGD_VENV]) if env.get(ENV_RNGD_VENV) else repo_root() / RNGD_ENV
+
+
+def rngd_python(env: Mapping[str, str] | None = None) -> Path | None:
+    """The environment's python when it is there and set up (its stamp file), else None."""
+    venv = rngd_env(env)
+    python = venv / "bin" / "python"
+    return python if python.exists() and (venv / ".installed").exists() else None
+
+
+def require_rngd_python(env: Mapping[str, str] | None = None) -> Path:
+    python = rngd_python(env)
+    if python is None:
+        raise DeviceUnavailableError(f"the FuriosaAI RNGD environment {rngd_env(env)} is missing or "
+                                     f"incomplete; {MAKE_HINT}")
+    return python
+
+
+# ---------------------------------------------------------------- compile check (runs here)
+
+
+def graph_args(shapes: GraphShapes) -> list[str]:
+    """rngd_graphs command-line arguments for these shapes."""
+    def name(d: Any) -> str:
+        return d if isinstance(d, str) else {"torch.bfloat16": "bf16", "torch.float16": "fp16",
+                                             "torch.float32": "fp32"}.get(str(d), str(d))
+
+    args = ["--chunks", ",".join(str(t) for t in shapes.prefill_chunks),
+            "--decode", ",".join(f"{b}x{n}" for b, n in shapes.decode),
+            "--dtype", name(shapes.dtype), "--kv-dtype", name(shapes.kv_dtype)]
+    return args
+
+
+def parse_rows(text: str) -> list[dict[str, Any]]:
+    """The JSON lines of rngd_graphs' output (other lines, e.g. SDK log lines, are skipped)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "name" in row and "ok" in row:
+            rows.append(row)
+    return rows
+
+
+def compile_check(shapes: GraphShapes | None = None, *, timeout: float | None = None,
+                  per_graph_timeout: float = 3600.0, no_cache: bool = False,
+                  env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Export and compile each graph of `shapes` (DEFAULT_SHAPES when None) with the furiosa
+    compiler in `.venv-rngd`; one row per graph (see rngd_graphs). A refused or failed graph is a
+    row with ok False, not an exception; a missing environment is DeviceUnavailableError (naming
+    `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr. Blocks for as
+    long as the compiles take (minutes per graph; the furiosa cache makes a repeat fast)."""
+    python = require_rngd_python(env)
+    shapes = DEFAULT_SHAPES if shapes is None else shapes
+    cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--json",
+           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),
+                          env={**os.environ, **(env or {})})
+    rows = parse_rows(proc.stdout)
+    if not rows and (shapes.prefill_chunks or shapes.decode):
+        raise RngdPdError(f"rngd_graphs printed no results (exit status {proc.returncode}): "
+                          f"{proc.stderr[-2000:].strip()}")
+    return rows
+
+
+# ---------------------------------------------------------------- the card (hardware only)
+
+
+def driver_missing() -> str | None:
+    """Why the RNGD driver's HAL library cannot be loaded, or None (ctypes, no furiosa import)."""
+    name = ctypes.util.find_library(DRIVER_LIB)
+    try:
+        ctypes.CDLL(name or f"lib{DRIVER_LIB}.so")
+    except OSError as exc:
+        return f"the RNGD driver library lib{DRIVER_LIB}.so cannot be loaded ({exc})"
+    return None
+
+
+def check_card(device: Device, env: Mapping[str, str] | None = None) -> None:
+    """DeviceUnavailableError naming the first missing piece: environment, card node, driver."""
+    require_rngd_python(env)
+    found = cards(RNGD, env)
+    if not found:
+        raise unavailable(f"no FuriosaAI RNGD card is visible ({RNGD.card_glob})",
+                          "RngdRuntime runs graphs only on a card: check the driver and the pod's "
+                          "device mounts")
+    if not 0 <= device.index < len(found):
+        raise unavailable(f"RNGD card {device.index} is not among the {len(found)} visible", "fix device_ids")
+    missing = driver_missing()
+    if missing:
+        raise unavailable(missing, "install the FuriosaAI driver (furiosa-driver-rngd) on the host")
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int64": "int64"}
+
+
+def _wire_dtype(dtype: Any) -> str:
+    text = str(dtype).removeprefix("torch.")
+    return {v: k for k, v in _DTYPES.items()}.get(text, text)
+
+
+def pack_message(header: dict[str, Any], tensors: Sequence[Any] = ()) -> bytes:
+    """One worker message: u32 header length, the JSON header (with the tensors' dtype and
+    shape), then each tensor's raw bytes (torch tensors; torch 2.13 and 2.10 share the layout)."""
+    import torch
+
+    blobs, meta = [], []
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        blobs.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        meta.append({"dtype": _wire_dtype(t.dtype), "shape": list(t.shape), "nbytes": len(blobs[-1])})
+    head = json.dumps({**header, "tensors": meta}).encode()
+    return struct.pack("<I", len(head)) + head + b"".join(blobs)
+
+
+def read_message(stream: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The inverse of pack_message, read from a binary stream; EOFError at its end."""
+    import torch
+
+    raw = stream.read(4)
+    if len(raw) < 4:
+        raise EOFError("the RNGD worker closed its pipe")
+    header = json.loads(stream.read(struct.unpack("<I", raw)[0]))
+    out = []
+    for m in header.pop("tensors", []):
+        buf = bytearray(stream.read(m["nbytes"]))
+        dtype = getattr(torch, _DTYPES.get(m["dtype"], m["dtype"]))
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        out.append(flat.view(dtype).reshape(m["shape"]))
+    return header, out
+
+
+class _Worker:
+    """The `.venv-rngd` process that owns the card (rngd_graphs --serve). Not verified: no card."""
+
+    def __init__(self, python: Path, device: Device, source: str, dtype: str) -> None:
+        cmd = [str(python), "-m", _GRAPHS, "--serve", "--device-index", str(device.index),
+               "--model", source, "--dtype", dtype]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=sys.stderr, cwd=repo_root())
+        self.lock = threading.Lock()
+
+    def call(self, op: str, tensors: Iterable[Any] = (), **args: Any) -> tuple[dict[str, Any], list[Any]]:
+        with self.lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(pack_message({"op": op, **args}, list(tensors)))
+            self.proc.stdin.flush()
+            header, out = read_message(self.proc.stdout)
+        if header.get("error"):
+            raise RngdPdError(f"RNGD worker, {op}: {header['error']}")
+        return header, out
+
+
+class RngdCache:
+    """A KVCache resident on the card, held by the worker under an id (the KVCache methods the
+    engines use: load, load_all, nbytes). Not verified: no card."""
+
+    def __init__(self, worker: _Worker, config: Any, num_slots: int, max_len: int, dtype: Any) -> None:
+        self.worker, self.config = worker, config
+        self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
+        header, _ = worker.call("new_cache", slots=num_slots, max_len=max_len, kv_dtype=_wire_dtype(dtype))
+        self.id = header["cache"]
+        per = config.num_kv_heads * max_len * config.head_dim * 2 * config.num_layers * num_slots
+        self.nbytes = per * (4 if _wire_dtype(dtype) == "fp32" else 2)
+
+    def load(self, slot: int, layer: int, k: Any, v: Any, start: int = 0) -> None:
+        self.worker.call("load", [k, v], cache=self.id, slot=slot, layer=layer, start=start)
+
+    def load_all(self, slot: int, kv: KVList, start: int = 0) -> None:
+        if len(kv) != self.config.num_layers:
+            raise ConfigError(f"got K/V for {len(kv)} layers, the model has {self.config.num_layers}")
+        self.worker.call("load", [t for pair in kv for t in pair], cache=self.id, slot=slot, layer=-1,
+                         start=start)
+
+
+class RngdRuntime:
+    """One model on one RNGD card (the DeviceRuntime protocol); see the module docstring for what
+    is verified. Graphs have static shapes: `prepare` compiles (or takes from the furiosa cache)
+    each prefill chunk and decode (width, bucket) in the worker and loads them onto the card."""
+
+    def __init__(self, device: Device, loaded: Any, env: Mapping[str, str] | None = None) -> None:
+        if device.kind != "rngd":
+            raise unavailable(f"RngdRuntime cannot run on {device.kind!r}", "use device rngd")
+        check_card(device, env)  # raises here, on every host without a card and its driver
+        self.device, self.loaded = device, loaded  # pragma: no cover - from here on: hardware only
+        dtype = _wire_dtype(loaded.model.dtype)
+        self.worker = _Worker(require_rngd_python(env), device, loaded.source, dtype)
+        self.chunks: tuple[int, ...] = ()
+
+    def prepare(self, shapes: GraphShapes) -> None:  # pragma: no cover - hardware only
+        header, _ = self.worker.call("prepare", chunks=list(shapes.prefill_chunks),
+                                     decode=[list(d) for d in shapes.decode],
+                                     kv_dtype=_wire_dtype(shapes.kv_dtype))
+        failed = [r for r in header.get("rows", []) if not r.get("ok")]
+        if failed:
+            r = failed[0]
+            raise ConfigError(f"the furiosa compiler refused {r['name']} ({r['shape']}): "
+                              f"{r.get('refused_ops') or ''} {r.get('error', '')[-800:]}")
+        self.chunks = tuple(sorted(set(self.chunks) | set(shapes.prefill_chunks)))
+
+    def dtype(self, name: Any) -> Any:
+        from rngd_pd.devices.torch_runtime import torch_dtype
+
+        return torch_dtype(name)
+
+    def inference(self) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        return torch.inference_mode()
+
+    def tokens(self, ids: Sequence[int] | Any) -> Any:
+        import numpy as np
+        import torch
+
+        return torch.as_tensor(np.asarray(ids, dtype=np.int64))
+
+    def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
+                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:  # pragma: no cover - hardware only
+        """A first chunk of exactly a compiled length T (the graph has no past input and returns
+        the last position's logits, so neither a past nor padding is supported yet)."""
+        t = int(tokens.shape[0])
+        if past:
+            raise ConfigError("the RNGD prefill graph takes no past yet (one chunk per prompt)")
+        if t not in self.chunks:
+            raise ConfigError(f"no RNGD prefill graph for {t} tokens (compiled: {list(self.chunks)})")
+        _, out = self.worker.call("prefill", [tokens], kv_dtype=_wire_dtype(kv_dtype))
+        kv = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range((len(out) - 1) // 2)]
+        if on_layer is not None:
+            for i, (k, v) in enumerate(kv):
+                on_layer(i, k, v)
+        return out[0].float(), kv
+
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(tuple(shape), dtype=self.dtype(dtype))  # host staging (KV assembly)
+
+    def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:  # pragma: no cover
+        return RngdCache(self.worker, self.loaded.config, num_slots, max_len, self.dtype(kv_dtype))
+
+    def step_buffers(self, rows: int) -> tuple[Any, Any]:
+        import numpy as np
+        import torch
+
+        host = np.zeros((3, rows), dtype=np.int64)
+        return host, torch.from_numpy(host)  # sent to the worker with each step (3 x rows int64)
+
+    def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:  # pragma: no cover
+        _, out = self.worker.call("decode", [tokens, positions, slots], cache=cache.id)
+        return out[0].float()
+
+    def to_host(self, tensor: Any) -> Any:
+        return tensor  # the worker's results arrive on the host already
+
+    def to_device(self, tensor: Any) -> Any:
+        return tensor  # uploaded by the worker call that uses it
+
+    def memory(self) -> MemoryInfo:  # pragma: no cover - hardware only
+        header, _ = self.worker.call("memory")
+        return MemoryInfo(int(header["total"]), int(header["free"]), header.get("detail", {}))

@@ -1,0 +1,161 @@
+"""FuriosaAI RNGD: the environment check, compile_check's parsing, the runtime refusing without a
+card, and (where `make rngd-env` was run) the furiosa compiler over the default graphs.
+
+Nothing here imports furiosa: the SDK lives in .venv-rngd (torch 2.10) and is reached only through
+`rngd_pd.devices.rngd_graphs` run as a subprocess there.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from rngd_pd.devices import rngd, rngd_graphs
+from rngd_pd.devices.base import Device
+from rngd_pd.devices.runtime import GraphShapes
+from rngd_pd.errors import DeviceUnavailableError
+
+RNGD0 = Device("rngd", 0, "rngd:0", "test")
+
+
+def _fake_env(tmp_path, *, installed=True):
+    venv = tmp_path / "venv-rngd"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 3\n")
+    if installed:
+        (venv / ".installed").touch()
+    return {rngd.ENV_RNGD_VENV: str(venv), "RNGD_PD_DEV_ROOT": str(tmp_path / "root")}
+
+
+def test_missing_environment_says_make_rngd_env(tmp_path):
+    env = {rngd.ENV_RNGD_VENV: str(tmp_path / "absent")}
+    assert rngd.rngd_python(env) is None
+    with pytest.raises(DeviceUnavailableError, match=r"run `make rngd-env`"):
+        rngd.compile_check(GraphShapes(prefill_chunks=(128,)), env=env)
+
+
+def test_environment_without_its_stamp_counts_as_missing(tmp_path):
+    env = _fake_env(tmp_path, installed=False)
+    assert rngd.rngd_python(env) is None
+    with pytest.raises(DeviceUnavailableError, match=r"incomplete; run `make rngd-env`"):
+        rngd.require_rngd_python(env)
+
+
+def test_parse_rows_keeps_only_result_lines():
+    row = {"name": "prefill_t128", "shape": "T=128", "ok": True, "seconds": {"compile": 1.5}}
+    text = "\n".join(["INFO furiosa_torch: Total 926 supported aten ops", json.dumps(row),
+                      "{not json", json.dumps({"other": 1}), ""])
+    assert rngd.parse_rows(text) == [row]
+
+
+def test_graph_args_and_the_cli_agree():
+    shapes = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype=torch.bfloat16)
+    args = rngd.graph_args(shapes)
+    assert args == ["--chunks", "128,512", "--decode", "1x512,8x2048",
+                    "--dtype", "bf16", "--kv-dtype", "bf16"]
+    assert rngd_graphs.parse_chunks(args[1]) == (128, 512)
+    assert rngd_graphs.parse_decode(args[3]) == ((1, 512), (8, 2048))
+    names = [s.name for s in rngd_graphs.specs((128, 512), ((1, 512), (8, 2048)))]
+    assert names == ["prefill_t128", "prefill_t512", "decode_b1_l512", "decode_b8_l2048"]
+    assert rngd_graphs._spec_by_name("decode_b8_l2048") == rngd_graphs.GraphSpec("decode", b=8, l=2048)
+    with pytest.raises(ValueError, match="BxL"):
+        rngd_graphs.parse_decode("8-2048")
+
+
+def test_refused_ops_are_read_from_the_compiler_error():
+    text = ('marker_err: Not importable, Node { origin: Py(0x1), name: "addmm", op: CallFunction, '
+            'target: TorchOp("aten::addmm", Py(0x2)), args: [] }\n'
+            'Not importable, Node { origin: Py(0x3), name: "linear", op: CallFunction, '
+            'target: TorchOp("aten::linear", Py(0x4)) }')
+    assert rngd_graphs.refused_ops(text) == ["aten::addmm", "aten::linear"]
+
+
+def test_worker_messages_round_trip():
+    ts = [torch.randn(3, 5).to(torch.bfloat16), torch.arange(4), torch.zeros(0, dtype=torch.float32)]
+    header, out = rngd.read_message(io.BytesIO(rngd.pack_message({"op": "decode", "cache": 7}, ts)))
+    assert header == {"op": "decode", "cache": 7}
+    assert [t.dtype for t in out] == [t.dtype for t in ts]
+    assert all(torch.equal(a, b) for a, b in zip(out, ts, strict=True))
+
+
+def test_runtime_refuses_without_the_environment(tmp_path):
+    env = {rngd.ENV_RNGD_VENV: str(tmp_path / "absent")}
+    with pytest.raises(DeviceUnavailableError, match=r"make rngd-env"):
+        rngd.RngdRuntime(RNGD0, None, env=env)
+
+
+def test_runtime_refuses_without_a_card(tmp_path):
+    with pytest.raises(DeviceUnavailableError, match=r"no FuriosaAI RNGD card is visible.*config-name cpu"):
+        rngd.RngdRuntime(RNGD0, None, env=_fake_env(tmp_path))
+
+
+def test_runtime_refuses_without_the_driver(tmp_path, monkeypatch):
+    env = _fake_env(tmp_path)
+    (tmp_path / "root" / "dev" / "rngd").mkdir(parents=True)
+    (tmp_path / "root" / "dev" / "rngd" / "npu0").touch()
+    monkeypatch.setattr(rngd, "DRIVER_LIB", "renegade-absent-here")
+    with pytest.raises(DeviceUnavailableError, match=r"librenegade-absent-here\.so cannot be loaded"):
+        rngd.RngdRuntime(RNGD0, None, env=env)
+    with pytest.raises(DeviceUnavailableError, match=r"card 1 is not among the 1 visible"):
+        rngd.RngdRuntime(Device("rngd", 1, "rngd:1"), None, env=env)
+
+
+def test_runtime_is_only_for_rngd(tmp_path):
+    with pytest.raises(DeviceUnavailableError, match="cannot run on 'cpu'"):
+        rngd.RngdRuntime(Device("cpu", 0, "cpu"), None, env=_fake_env(tmp_path))
+
+
+@pytest.mark.slow
+def test_export_wrappers_compute_what_the_model_computes(smollm_bf16):
+    """The graphs handed to the furiosa compiler are the model's numerics (bit for bit here)."""
+    from rngd_pd.model.cache import KVCache
+
+    m, c = smollm_bf16.model, smollm_bf16.config
+    tokens = torch.tensor([1, 22, 333, 4444, 5, 66, 7, 8])
+    ep = rngd_graphs.export(m, rngd_graphs.GraphSpec("prefill", t=8), torch.bfloat16)
+    ref_logits, ref_kv = m.prefill(tokens)
+    got = ep.module()(tokens)
+    assert torch.equal(got[0], ref_logits)
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], [t for kv in ref_kv for t in kv], strict=True))
+
+    cache = KVCache(c, 2, 32, torch.bfloat16)
+    cache.load_all(0, ref_kv)
+    kv = [t.clone() for pair in zip(cache.k, cache.v, strict=True) for t in pair]
+    step = (torch.tensor([9, 10]), torch.tensor([8, 0]), torch.tensor([0, 1]))
+    ep = rngd_graphs.export(m, rngd_graphs.GraphSpec("decode", b=2, l=32), torch.bfloat16)
+    got = ep.module()(*step, *kv)
+    ref = m.decode_step(step[0], step[1], cache, step[2])
+    # decode_step runs oneDNN-packed projections on the CPU and attends over 16 keys, the graph F.linear
+    # over its whole bucket: the same model, not always the same bits
+    assert torch.allclose(got[0], ref, atol=0.1, rtol=0)
+    assert torch.equal(got[0].argmax(-1), ref.argmax(-1))
+    written = [t for pair in zip(cache.k, cache.v, strict=True) for t in pair]
+    assert all(torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
+               for a, b in zip(got[1:], written, strict=True))
+
+
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    from rngd_pd.model import load_model
+
+    return load_model(None, dtype=torch.bfloat16, progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_compile_check_default_shapes():
+    """The furiosa compiler over DEFAULT_SHAPES in .venv-rngd (minutes per graph the first time,
+    seconds from the furiosa compiler cache afterwards)."""
+    if rngd.rngd_python() is None:
+        pytest.skip(f"{rngd.rngd_env()} is missing: run `make rngd-env` to check the RNGD compiler")
+    rows = rngd.compile_check()
+    assert [r["name"] for r in rows] == [s.name for s in rngd_graphs.specs(
+        rngd.DEFAULT_SHAPES.prefill_chunks, rngd.DEFAULT_SHAPES.decode)]
+    for r in rows:
+        assert r["sdk"]["furiosa-torch"] == "2026.4.0" and r["dtype"] == "bf16"
+        if r["stage"] == "toolchain":
+            pytest.skip(r["error"])
+        assert r["ok"], f"{r['name']} ({r['shape']}) failed at {r['stage']}: {r['refused_ops']} {r['error']}"

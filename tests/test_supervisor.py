@@ -353,6 +353,26 @@ def test_a_stub_sees_a_sibling_stub_die(proc: Path, monkeypatch) -> None:
     assert watch.check(now=3.0) is not None  # once died, always: the server restarts
 
 
+def test_the_config_completing_stub_is_never_watched(proc: Path, monkeypatch) -> None:
+    """Seen in a 48-stream run: pd's instance was up before prefill's config-completing stub (instance
+    name = model name) started; that stub exited by design 0.5 s later and prefill's instance stub came
+    only 8 s after. Watching it failed every request as "stub of model prefill died"."""
+    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
+    shutil.rmtree(proc / "103")  # prefill has no stub yet
+    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    assert watch.check(now=1.0) is None
+    write_proc(proc, 108, SERVER, stub_argv("prefill", "prefill"), start=2008)  # completes the config
+    assert watch.check(now=2.0) is None
+    assert "prefill" not in {s.model for s in watch.watch.stubs.values()}
+    shutil.rmtree(proc / "108")  # exits; prefill's instance stub is not there yet
+    assert watch.check(now=3.0) is None
+    write_proc(proc, 109, SERVER, stub_argv("prefill"), start=2009)
+    assert watch.check(now=4.0) is None
+    assert {s.pid for s in watch.watch.stubs.values() if s.model == "prefill"} == {109}
+    shutil.rmtree(proc / "109")  # the instance's stub dies serving: that is a death
+    assert "stub of model prefill (pid 109) died" in str(watch.check(now=5.0))
+
+
 def test_a_stub_replaced_while_models_load_is_not_a_death(proc: Path, monkeypatch) -> None:
     """Triton runs a short-lived stub per model while it loads; pd may have seen that one first."""
     monkeypatch.setattr(S.os, "getppid", lambda: SERVER)

@@ -135,6 +135,12 @@ class Stub:
     instance: str
     start_time: int  # /proc/<pid>/stat field 22: tells a reused pid from the stub
 
+    @property
+    def completes_config(self) -> bool:
+        """Triton's short-lived stub that completes a model's config while it loads (its instance
+        name is the bare model name; an instance's is `<group>_<n>`): it exits by design."""
+        return self.instance == self.model
+
 
 def _stat(pid: int, proc: Path = PROC) -> tuple[str, int, int] | None:
     """(state letter, ppid, start time) of `pid`, None when it does not exist."""
@@ -381,11 +387,17 @@ class SiblingWatch:
         self._next = 0.0
         self.failure: Failure | None = None
 
+    def _instances(self) -> list[Stub]:
+        """The watched models' instance stubs now: the config-completing stubs Triton runs while
+        models load exit by design (measured: prefill's ran 8 s after pd's instance had started,
+        and its instance's stub 9 s later still), so they are never watched."""
+        return [s for s in stub_processes(os.getppid(), self.proc)
+                if s.model in self.models and not s.completes_config]
+
     def _replaced(self, model: str) -> bool:
-        """Whether `model` has a living stub other than the one that went: while models load, Triton
-        runs a short-lived stub per model (to complete its config) before the instance's own, and pd
-        may have seen that one first. A stub that died serving is never replaced on 2.51."""
-        living = [s for s in stub_processes(os.getppid(), self.proc) if s.model == model]
+        """Whether `model` has a living instance stub other than the one that went (a stub that
+        died serving is never replaced on 2.51)."""
+        living = [s for s in self._instances() if s.model == model]
         if not living:
             return False
         self.watch.stubs = {k: s for k, s in self.watch.stubs.items() if s.model != model}
@@ -399,8 +411,7 @@ class SiblingWatch:
             self._next = now + self.every_s
             if not self.models <= {s.model for s in self.watch.stubs.values()}:
                 # not all up yet (or not watched yet): remember what is there now
-                self.watch.stubs = {s.instance: s for s in stub_processes(os.getppid(), self.proc)
-                                    if s.model in self.models}
+                self.watch.stubs = {s.instance: s for s in self._instances()}
             self.failure = self.watch.check()
             if self.failure is not None and self._replaced(self.failure.model):
                 self.failure = None

@@ -19,6 +19,17 @@ end), `all` (every model in one server). Config keys (the original's):
     args, env      none                 extra `rngd-pd serve` arguments, extra environment variables
     dry_run        False                return (argv, env) instead of starting
 
+Also, for the pods' layout the Helm chart (deploy/helm/rngd-pd) uses:
+
+    role           none                 prefill, decode, gateway or all: `rngd-pd serve --role ROLE` with
+                                        the chart's ports (wins over Workload.kind, which may be absent):
+                                        Triton HTTP on `port` (8000), gRPC port+1, metrics port+2 (or
+                                        metrics_port) in every role; the gateway's OpenAI front end on
+                                        openai_port; every endpoint on `host`
+    host           0.0.0.0 with role    the address every endpoint binds to (without role: serve's
+                                        127.0.0.1)
+    openai_port    9000                 role gateway/all: the OpenAI front end's port
+
 Workload.model becomes --model; for decode Workload.batch_hint becomes the decode slot count.
 """
 
@@ -37,9 +48,11 @@ from rngd_pd.triton.params import ENV_KV_TRANSPORT, param_env
 __all__ = ["KINDS", "build_command", "known_names", "load_transport", "run"]
 
 KINDS = {"prefill": "prefill", "decode": "decode", "serve": "gateway", "all": "all"}
+ROLES = ("prefill", "decode", "gateway", "all")  # `rngd-pd serve --role`, as the chart's pods run it
 DEFAULTS: dict[str, Any] = {
     "kv_transport": "shm", "port": 8000, "seq_len": 256, "prefill_url": "127.0.0.1:8101",
     "decode_url": "127.0.0.1:8201", "metrics_port": None, "args": (), "env": None, "dry_run": False,
+    "role": None, "host": None, "openai_port": 9000,
 }
 _TRANSPORT_CLASSES = {"ShmTransport": "shm", "TcpTransport": "tcp", "NixlUcxTransport": "nixl-ucx",
                       "NixlTransport": "nixl"}
@@ -67,6 +80,14 @@ def _ports(role: str, port: int, metrics_port: int | None) -> list[str]:
     return [*ports, "--http-port", str(http), "--grpc-port", str(http + 1), "--metrics-port", str(metrics)]
 
 
+def _pod_ports(role: str, port: int, metrics_port: int | None, openai_port: int) -> list[str]:
+    """The chart's layout: Triton on port..port+2 in every role, the OpenAI front end on its own port."""
+    metrics = metrics_port if metrics_port is not None else port + 2
+    openai = openai_port if role in ("gateway", "all") else -1
+    return ["--http-port", str(port), "--grpc-port", str(port + 1), "--metrics-port", str(metrics),
+            "--openai-port", str(openai)]
+
+
 def build_command(workload: Any, **config: Any) -> tuple[list[str], dict[str, str]]:
     """The `rngd-pd serve` argv and environment for one workload; ConfigError on a bad key or kind."""
     unknown = sorted(set(config) - set(DEFAULTS))
@@ -74,14 +95,25 @@ def build_command(workload: Any, **config: Any) -> tuple[list[str], dict[str, st
         raise ConfigError(f"unknown workload config key(s) {', '.join(unknown)}; "
                           f"known: {', '.join(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
-    kind = _field(workload, "kind", "serve")
-    if kind not in KINDS:
-        raise ConfigError(f"unknown workload kind {kind!r}; known: {', '.join(KINDS)}")
     if cfg["kv_transport"] not in known_names():
         raise ConfigError(f"unknown kv_transport {cfg['kv_transport']!r}; known: {', '.join(known_names())}")
-    role = KINDS[kind]
+    if cfg["role"] is not None:
+        if cfg["role"] not in ROLES:
+            raise ConfigError(f"unknown role {cfg['role']!r}; known: {', '.join(ROLES)}")
+        role = cfg["role"]
+        host = cfg["host"] or "0.0.0.0"
+        ports = ["--host", host, *_pod_ports(role, int(cfg["port"]), cfg["metrics_port"],
+                                             int(cfg["openai_port"]))]
+    else:
+        kind = _field(workload, "kind", "serve")
+        if kind not in KINDS:
+            raise ConfigError(f"unknown workload kind {kind!r}; known: {', '.join(KINDS)}")
+        role = KINDS[kind]
+        ports = _ports(role, int(cfg["port"]), cfg["metrics_port"])
+        if cfg["host"]:
+            ports = ["--host", str(cfg["host"]), *ports]
     argv = [sys.executable, "-m", "rngd_pd.cli", "serve", "--role", role,
-            "--kv-transport", cfg["kv_transport"], *_ports(role, int(cfg["port"]), cfg["metrics_port"]),
+            "--kv-transport", cfg["kv_transport"], *ports,
             "--param", f"max_len={int(cfg['seq_len'])}"]
     model = _field(workload, "model")
     if model:

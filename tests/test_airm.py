@@ -62,10 +62,49 @@ def test_serve_workload_is_the_gateway() -> None:
     assert "--model" not in argv and "num_slots" not in " ".join(argv)
 
 
+def _chart_args(role: str) -> list[str]:
+    """The serve arguments of a role's container in the chart's committed default rendering."""
+    import yaml
+
+    rendered = Path(__file__).resolve().parents[1] / "deploy/helm/rngd-pd/rendered/atom-decode.yaml"
+    for doc in yaml.safe_load_all(rendered.read_text()):
+        if doc and doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith(f"-{role}"):
+            return doc["spec"]["template"]["spec"]["containers"][0]["args"]
+    raise AssertionError(f"no {role} Deployment in {rendered}")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "gateway"])
+def test_role_starts_the_charts_pod_layout(role: str) -> None:
+    """`role` gives the same serve flags (role, host, ports) as the chart's container of that role."""
+    argv, env = airm.run(None, role=role, kv_transport="shm", seq_len=512, dry_run=True,
+                         prefill_url="rngd-pd-prefill:8001", decode_url="rngd-pd-decode:8001")
+    chart = _chart_args(role)
+    names = ["--role", "--host", "--http-port", "--grpc-port", "--metrics-port", "--openai-port",
+             "--kv-transport"] + (["--prefill-url", "--decode-url"] if role == "gateway" else [])
+    assert {n: flag(argv, n) for n in names} == {n: flag(chart, n) for n in names}
+    assert "max_len=512" in argv and "max_len=512" in chart  # examples/atom-decode.yaml: seqLen 512
+    assert env["AIRM_METRICS_PORT"] == "8002" and env["AIRM_KV_TRANSPORT"] == "shm"
+
+
+def test_role_wins_over_kind_and_keeps_the_other_keys() -> None:
+    wl = SimpleNamespace(kind="serve", model="/m/llama", batch_hint=16)
+    argv, _ = airm.run(wl, role="decode", port=8200, metrics_port=9400, host="10.0.0.5", dry_run=True)
+    assert flag(argv, "--role") == "decode" and flag(argv, "--host") == "10.0.0.5"
+    assert (flag(argv, "--http-port"), flag(argv, "--grpc-port"), flag(argv, "--metrics-port"),
+            flag(argv, "--openai-port")) == ("8200", "8201", "9400", "-1")
+    assert flag(argv, "--model") == "/m/llama" and "num_slots=16" in argv
+    argv, _ = airm.run(None, role="all", openai_port=9100, dry_run=True)
+    assert flag(argv, "--openai-port") == "9100" and flag(argv, "--http-port") == "8000"
+    # without role, the original's layout is unchanged (no --host: serve's 127.0.0.1)
+    argv, _ = airm.run({"kind": "prefill"}, dry_run=True)
+    assert "--host" not in argv and flag(argv, "--http-port") == "8000"
+
+
 @pytest.mark.parametrize(("workload", "config", "needle"), [
     ({"kind": "train"}, {}, "unknown workload kind 'train'"),
     ({"kind": "prefill"}, {"seqlen": 5}, "unknown workload config key(s) seqlen"),
     ({"kind": "prefill"}, {"kv_transport": "pigeon"}, "unknown kv_transport 'pigeon'"),
+    (None, {"role": "router"}, "unknown role 'router'"),
 ])
 def test_bad_workloads_are_rejected(workload: dict, config: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

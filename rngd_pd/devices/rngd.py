@@ -103,17 +103,19 @@ def parse_rows(text: str) -> list[dict[str, Any]]:
     return rows
 
 
-def compile_check(shapes: GraphShapes | None = None, *, timeout: float | None = None,
-                  per_graph_timeout: float = 3600.0, no_cache: bool = False,
+def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
+                  timeout: float | None = None, per_graph_timeout: float = 7200.0, no_cache: bool = False,
                   env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """Export and compile each graph of `shapes` (DEFAULT_SHAPES when None) with the furiosa
-    compiler in `.venv-rngd`; one row per graph (see rngd_graphs). A refused or failed graph is a
-    row with ok False, not an exception; a missing environment is DeviceUnavailableError (naming
-    `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr. Blocks for as
-    long as the compiles take (minutes per graph; the furiosa cache makes a repeat fast)."""
+    """Export each graph of `shapes` (DEFAULT_SHAPES when None) and take it through the furiosa
+    compiler in `.venv-rngd` up to `stage`: "import" (furiosa's decompositions and the DFG import,
+    where unsupported ops are refused: ~40 s a graph here), "lower" or "compile" (the whole
+    compiler down to the binary: tens of minutes a graph on a 2-core host, seconds from the furiosa
+    cache). One row per graph (see rngd_graphs); a refused or failed graph is a row with ok False,
+    not an exception; a missing environment is DeviceUnavailableError (naming `make rngd-env`), a
+    run that printed no rows at all RngdPdError with its stderr."""
     python = require_rngd_python(env)
     shapes = DEFAULT_SHAPES if shapes is None else shapes
-    cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--json",
+    cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
            "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),
                           env={**os.environ, **(env or {})})

@@ -30,6 +30,7 @@ still refuses is reported per graph.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -221,16 +222,18 @@ def refused_ops(text: str) -> list[str]:
 
 
 def unsupported_ops(ep: Any) -> list[str]:
-    """call_function targets of a (preprocessed) graph that `furiosa.torch.compiler.is_supported_aten`
-    rejects, as "aten::name" (furiosa's own custom ops and getitem are not asked)."""
+    """aten call_function targets of a (preprocessed) graph that
+    `furiosa.torch.compiler.is_supported_aten` rejects under both their overload name
+    ("aten::add.Tensor") and their plain name ("aten::add")."""
     from furiosa.torch import compiler
 
     names = set()
     for node in ep.graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if node.op == "call_function" and schema is not None and schema.name.startswith("aten::"):
-            names.add(schema.name)
-    return sorted(n for n in names if not compiler.is_supported_aten(n))
+            names.add((schema.name, f"{schema.name}.{schema.overload_name}" if schema.overload_name else ""))
+    ok = compiler.is_supported_aten
+    return sorted(full or plain for plain, full in names if not ok(plain) and not (full and ok(full)))
 
 
 def _short(text: str, limit: int = 4000) -> str:
@@ -239,17 +242,33 @@ def _short(text: str, limit: int = 4000) -> str:
     return tail if len(tail) <= limit else "..." + tail[-limit:]
 
 
-def compile_one(spec: GraphSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
-                cache_dir: str | None = "default") -> dict[str, Any]:
-    """Export, preprocess and compile one graph in THIS process; a dict row (never raises)."""
-    row: dict[str, Any] = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": dtype,
-                           "kv_dtype": kv_dtype, "ok": False, "stage": "setup", "error": "",
-                           "refused_ops": [], "seconds": {}}
+STAGES = ("import", "lower", "compile")  # how far compile_one goes: import_dfg, lower, compile
+
+
+def compiler_config(tactic_hint: str | None = None, max_unique_shapes: int | None = None) -> Any:
+    """A furiosa CompilerConfig with progress as JSON lines (stdout) and the given search limits."""
+    from furiosa.torch import config
+    from furiosa.torch._C.config.compiler import ProgressMode
+
+    kw: dict[str, Any] = {"progress_mode": ProgressMode.Json}
+    if tactic_hint:
+        kw["tactic_hint"] = getattr(config.TacticHintConfig, tactic_hint)
+    if max_unique_shapes:
+        kw["max_num_unique_shapes"] = max_unique_shapes
+    return config.CompilerConfig(**kw)
+
+
+def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Export, preprocess and import / lower / compile (args.stage) one graph in THIS process; a
+    dict row, never raises (a Rust panic is caught as PanicException where PyO3 raises one)."""
+    row: dict[str, Any] = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
+                           "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "stage": "setup",
+                           "error": "", "refused_ops": [], "seconds": {}}
     secs = row["seconds"]
     t0 = time.perf_counter()
     try:
         row["sdk"] = sdk_versions()
-        missing = toolchain_missing()
+        missing = toolchain_missing() if args.stage == "compile" else None
         if missing:
             row.update(stage="toolchain", error=missing)
             return row
@@ -260,12 +279,12 @@ def compile_one(spec: GraphSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
         from rngd_pd.model import load_model
 
         row["stage"] = "load"
-        loaded = load_model(None, dtype=_dtype(dtype), progress=False)
+        loaded = load_model(None, dtype=_dtype(args.dtype), progress=False)
         secs["load"] = round(time.perf_counter() - t0, 2)
 
         row["stage"] = "export"
         t = time.perf_counter()
-        ep = export(loaded.model, spec, _dtype(kv_dtype))
+        ep = export(loaded.model, spec, _dtype(args.kv_dtype))
         secs["export"] = round(time.perf_counter() - t, 2)
 
         row["stage"] = "preprocess"  # furiosa's decompositions (STD_DECOMPOSITIONS) and I/O passes
@@ -275,19 +294,28 @@ def compile_one(spec: GraphSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
         row["nodes"] = sum(1 for n in ep.graph.nodes if n.op == "call_function")
         row["unsupported_aten"] = unsupported_ops(ep)
 
-        row["stage"] = "compile"
-        root = config.CacheConfig.default_cache_dir() if cache_dir == "default" else cache_dir
-        row["cache_dir"] = root
-        before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
+        row["stage"] = "import"
         t = time.perf_counter()
-        with config.cache_context(root_dir=root):
-            runnable = compiler.compile(ep, task_name=spec.name)
-        secs["compile"] = round(time.perf_counter() - t, 2)
-        if root:
-            row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
-        row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
+        compiler.import_dfg(ep)
+        secs["import"] = round(time.perf_counter() - t, 2)
+        if args.stage != "import":
+            row["stage"] = args.stage
+            cc = compiler_config(args.tactic_hint, args.max_unique_shapes)
+            root = None if args.no_cache else config.CacheConfig.default_cache_dir()
+            row["cache_dir"] = root
+            before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
+            t = time.perf_counter()
+            with config.cache_context(root_dir=root):
+                if args.stage == "lower":
+                    compiler.lower(ep, cc, task_name=spec.name)
+                else:
+                    runnable = compiler.compile(ep, cc, task_name=spec.name)
+                    row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
+            secs[args.stage] = round(time.perf_counter() - t, 2)
+            if root:
+                row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
         row.update(ok=True, stage="done")
-    except BaseException as exc:  # a PanicException is a BaseException; report it as the row's error
+    except BaseException as exc:  # PyO3's PanicException is a BaseException; it is the row's error
         text = f"{type(exc).__name__}: {exc}"
         row["error"] = _short(text)
         row["refused_ops"] = refused_ops(text)
@@ -298,32 +326,62 @@ def compile_one(spec: GraphSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
     return row
 
 
-def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
-    """compile_one in a child process (a Rust panic or abort kills only the child)."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "rngd_pd.devices.rngd_graphs", "--one", spec.name,
-           "--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--json"]
+def _child_args(args: argparse.Namespace) -> list[str]:
+    out = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--stage", args.stage, "--json"]
     if args.no_cache:
-        cmd.append("--no-cache")
+        out.append("--no-cache")
+    if args.tactic_hint:
+        out += ["--tactic-hint", args.tactic_hint]
+    if args.max_unique_shapes:
+        out += ["--max-unique-shapes", str(args.max_unique_shapes)]
+    return out
+
+
+def last_progress(text: str) -> str:
+    """The last compiler progress line ({"name": "Compiling from X to Y", "current_stage": i, ...})."""
+    for line in reversed(text.splitlines()):
+        if line.startswith('{"name":"Compiling'):
+            with contextlib.suppress(ValueError):
+                p = json.loads(line)
+                return f"{p['name']} ({p['current_stage']}/{p['stages']})"
+    return ""
+
+
+def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """compile_one in a child process (a Rust panic or abort kills only the child); a child that
+    runs past args.timeout is killed and reported with the compiler stage it had reached."""
+    import subprocess
+    import tempfile
+
+    cmd = [sys.executable, "-m", "rngd_pd.devices.rngd_graphs", "--one", spec.name, *_child_args(args)]
     t0 = time.perf_counter()
     base = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
-            "kv_dtype": args.kv_dtype, "ok": False, "refused_ops": []}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {**base, "stage": "timeout", "seconds": {"total": round(time.perf_counter() - t0, 2)},
-                "error": f"no result within {args.timeout} s (--timeout)"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
+            "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "refused_ops": []}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        try:
+            code: int | None = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    secs = {"total": round(time.perf_counter() - t0, 2)}
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{") and '"ok"' in line:
+            with contextlib.suppress(json.JSONDecodeError):
                 return json.loads(line)
-            except json.JSONDecodeError:
-                break
-    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
-    return {**base, "stage": "crashed", "seconds": {"total": round(time.perf_counter() - t0, 2)},
-            "error": f"the compile process died ({how}): {proc.stderr[-3000:].strip()}",
-            "refused_ops": refused_ops(proc.stderr)}
+    reached = last_progress(stdout)
+    if code is None:
+        return {**base, "stage": "timeout", "seconds": secs, "progress": reached,
+                "error": f"no result within {args.timeout:.0f} s (--timeout); the compiler had reached: "
+                         f"{reached or 'no progress line'}"}
+    how = f"signal {-code}" if code < 0 else f"exit status {code}"
+    return {**base, "stage": "crashed", "seconds": secs, "progress": reached,
+            "error": f"the compile process died ({how}): {stderr[-3000:].strip()}",
+            "refused_ops": refused_ops(stderr)}
 
 
 # ---------------------------------------------------------------- the card worker (hardware only)
@@ -443,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line per graph")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per graph")
     ap.add_argument("--no-cache", action="store_true", help="do not use the furiosa compiler cache")
+    ap.add_argument("--stage", choices=STAGES, default="compile",
+                    help="how far to go: import (the DFG import that refuses ops), lower, compile")
+    ap.add_argument("--tactic-hint", help="a furiosa TacticHintConfig name, e.g. ForLlmModelIOBound")
+    ap.add_argument("--max-unique-shapes", type=int, help="CompilerConfig.max_num_unique_shapes")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # RngdRuntime's worker
     ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -451,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve(args.device_index, args.model, args.dtype)
     if args.one:
-        row = compile_one(_spec_by_name(args.one), args.dtype, args.kv_dtype,
-                          None if args.no_cache else "default")
+        row = compile_one(_spec_by_name(args.one), args)
         _print_row(row, True)
         return 0 if row["ok"] else 1
     failed = 0

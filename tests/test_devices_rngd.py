@@ -71,6 +71,9 @@ def test_refused_ops_are_read_from_the_compiler_error():
             'Not importable, Node { origin: Py(0x3), name: "linear", op: CallFunction, '
             'target: TorchOp("aten::linear", Py(0x4)) }')
     assert rngd_graphs.refused_ops(text) == ["aten::addmm", "aten::linear"]
+    text = ("Caused by:\n   0: while verifying bitwise_not\n   1: Lowering Deadline Violation: "
+            "Aten(bitwise_not) is allowed up to dfg, found in primitive.")
+    assert rngd_graphs.refused_ops(text) == ["aten::bitwise_not"]
 
 
 def test_last_progress_names_the_compiler_stage():

@@ -126,9 +126,11 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
         def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
             m, b, n = self.model, self.b, self.n
-            seen = self.keys[None, :] <= positions[:, None]  # [B, L]
+            # keys row b cannot see, [B, L]; decode_step's ~(keys <= position): the compiler refuses
+            # aten.bitwise_not past its DFG stage ("Lowering Deadline Violation")
+            hidden = self.keys[None, :] > positions[:, None]
             bias = torch.zeros(b, 1, 1, n, device=tokens.device).masked_fill(
-                ~seen.view(b, 1, 1, n), float("-inf"))
+                hidden.view(b, 1, 1, n), float("-inf"))
             cos = self.cos[positions].to(m.dtype)[:, None]  # [B, 1, hd]
             sin = self.sin[positions].to(m.dtype)[:, None]
             groups = c.num_heads // c.num_kv_heads
@@ -212,12 +214,13 @@ def sdk_versions() -> dict[str, str]:
 
 
 _NODE = re.compile(r'name: "([^"]+)", op: CallFunction, target: TorchOp\("([^"]+)"')
+_DEADLINE = re.compile(r"Aten\((\w+)\) is allowed up to")  # "Lowering Deadline Violation"
 
 
 def refused_ops(text: str) -> list[str]:
     """The aten ops a furiosa compile error names as not importable
     (`Not importable, Node { ... TorchOp("aten::addmm", ...`)."""
-    found = [op for _, op in _NODE.findall(text)]
+    found = [op for _, op in _NODE.findall(text)] + [f"aten::{op}" for op in _DEADLINE.findall(text)]
     return sorted(set(found))
 
 
@@ -246,7 +249,7 @@ STAGES = ("import", "lower", "compile")  # how far compile_one goes: import_dfg,
 
 
 def compiler_config(tactic_hint: str | None = None, max_unique_shapes: int | None = None) -> Any:
-    """A furiosa CompilerConfig with progress as JSON lines (stdout) and the given search limits."""
+    """A furiosa CompilerConfig with progress as JSON lines (on stderr) and the given search limits."""
     from furiosa.torch import config
     from furiosa.torch._C.config.compiler import ProgressMode
 
@@ -373,7 +376,7 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
         if line.startswith("{") and '"ok"' in line:
             with contextlib.suppress(json.JSONDecodeError):
                 return json.loads(line)
-    reached = last_progress(stdout)
+    reached = last_progress(stderr)  # the compiler writes its progress lines to stderr
     if code is None:
         return {**base, "stage": "timeout", "seconds": secs, "progress": reached,
                 "error": f"no result within {args.timeout:.0f} s (--timeout); the compiler had reached: "

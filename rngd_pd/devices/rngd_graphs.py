@@ -122,6 +122,7 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             self.register_buffer("sin", sin[:n].clone(), persistent=False)
             self.register_buffer("keys", torch.arange(n), persistent=False)
             self.register_buffer("heads", torch.arange(c.num_kv_heads), persistent=False)
+            self.register_buffer("slot_ids", torch.arange(b), persistent=False)  # the cache's B slots
 
         def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -135,6 +136,7 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             sin = self.sin[positions].to(m.dtype)[:, None]
             groups = c.num_heads // c.num_kv_heads
             at = (slots[:, None], self.heads[None, :], positions[:, None])  # [B, KVH] index triples
+            pick = (slots[:, None] == self.slot_ids[None, :]).to(kv[0].dtype)  # [B, S] one-hot rows
             x = torch.nn.functional.embedding(tokens, m.embed)  # [B, D]
             out: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
@@ -145,8 +147,8 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
                 ck = torch.index_put(ck, at, k.to(ck.dtype))  # ck[slots, :, positions] = k
                 cv = torch.index_put(cv, at, v.to(cv.dtype))
                 out += [ck, cv]
-                kk = ck.index_select(0, slots).to(m.dtype)  # [B, KVH, L, hd]
-                vv = cv.index_select(0, slots).to(m.dtype)
+                kk = _gather(pick, ck).to(m.dtype)  # [B, KVH, L, hd]: ck[slots]
+                vv = _gather(pick, cv).to(m.dtype)
                 qg = q.reshape(b, c.num_kv_heads, groups, c.head_dim)
                 o = L._attend(qg, kk, vv, bias, c.head_dim**-0.5)
                 x = layer.finish(x, o.reshape(b, -1))
@@ -159,6 +161,14 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
     kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * c.num_layers))
     positions = torch.arange(b, dtype=torch.long) % n
     return DecodeGraph(b, n), (torch.ones(b, dtype=torch.long), positions, torch.arange(b), *kv)
+
+
+def _gather(pick: Any, cache: Any) -> Any:
+    """cache[slots] [B, KVH, L, hd] as a one-hot matmul, pick [B, S]: exact (each output is 1 x
+    one cached value plus zeros) where the furiosa compiler has no tactic for index_select over a
+    graph-input cache ("GatherKernel ... all tactics failed to compile", decode 1x512)."""
+    s = cache.shape[0]
+    return (pick @ cache.reshape(s, -1)).reshape(pick.shape[0], *cache.shape[1:])
 
 
 def export(model: Any, spec: GraphSpec, kv_dtype: Any) -> Any:

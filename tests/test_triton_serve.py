@@ -88,6 +88,10 @@ def test_print_command_and_devices(tmp_path: Path) -> None:
     line = out.stdout.strip()
     assert "RNGD_PD_KV_DTYPE=fp16" in line and "--model-config-name=cpu" in line
     assert "--http-address=127.0.0.1" in line and "LD_LIBRARY_PATH=" in line
+    pinned = subprocess.run([*argv, "--config-name", "default"], capture_output=True, text=True, timeout=120,
+                            check=True)
+    assert "model config config.pbtxt (--config-name default: the production binding" in pinned.stderr
+    assert "--model-config-name" not in pinned.stdout  # config.pbtxt itself, whatever this host has
     rows = subprocess.run([*RNGD_PD, "devices", "--json", "--repository", str(repo)],
                           capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     kinds = [json.loads(r) for r in rows]

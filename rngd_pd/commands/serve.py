@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16/AMX, else fp32; `rngd-pd devices` shows the choice); bf16 or fp32 "
                         "force one; fp32 gives the transformers oracle's tokens exactly")
     p.add_argument("--config-name",
-                   help="tritonserver --model-config-name (default: chosen from the devices present)")
+                   help="tritonserver --model-config-name: cpu, cuda, rngd, or `default` for config.pbtxt "
+                        "itself (prefill on RNGD, decode on ATOM; never probed, never a fallback); "
+                        "unset: chosen from the devices present")
     p.add_argument("--host", default="127.0.0.1", help="address every endpoint binds to (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, default=8000, help="Triton HTTP port (0 = any free port)")
     p.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC port (0 = any free port)")
@@ -98,6 +100,9 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
         name, _, value = item.partition("=")
         env[params.param_env(name.strip())] = value.strip()
     return env
+
+
+PRODUCTION = "default"  # --config-name default: config.pbtxt itself (pods that must never fall back)
 
 
 def choose_config_name(repository: Path, role: str, usable: set[str]) -> tuple[str | None, str]:
@@ -202,8 +207,12 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"serve: {problem}", file=sys.stderr)
         return 2
-    config_name, why = (args.config_name, "from --config-name") if args.config_name else \
-        choose_config_name(repository, args.role, _usable_devices())
+    if args.config_name == PRODUCTION:
+        config_name, why = None, f"--config-name {PRODUCTION}: the production binding, no device probing"
+    elif args.config_name:
+        config_name, why = args.config_name, "from --config-name"
+    else:
+        config_name, why = choose_config_name(repository, args.role, _usable_devices())
     print(f"serve: model config {config_name or 'config.pbtxt'} ({why})", flush=True,
           file=sys.stderr if args.print_command else sys.stdout)
     models = ROLE_MODELS[args.role]

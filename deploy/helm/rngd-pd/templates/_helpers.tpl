@@ -61,8 +61,9 @@ app.kubernetes.io/part-of: rngd-pd
 
 {{/*
 The tritonserver --model-config-name for a role: the role's configName, else from its device.
-prefill: rngd -> "" (config.pbtxt, the production binding), others -> the device name.
-decode:  atom -> "" (config.pbtxt), rngd -> rngd (configs/rngd.pbtxt), others -> the device name.
+prefill: rngd -> default (config.pbtxt, the production binding: serve never probes nor falls back),
+others -> the device name. decode: atom -> default, rngd -> rngd (configs/rngd.pbtxt), others -> the
+device name.
 */}}
 {{- define "rngd-pd.configName" -}}
 {{- $role := index . 0 -}}{{- $spec := index . 1 -}}
@@ -72,5 +73,7 @@ decode:  atom -> "" (config.pbtxt), rngd -> rngd (configs/rngd.pbtxt), others ->
 {{- $spec.device -}}
 {{- else if and (eq $role "decode") (ne $spec.device "atom") -}}
 {{- $spec.device -}}
+{{- else if or (eq $role "prefill") (eq $role "decode") -}}
+default
 {{- end -}}
 {{- end -}}

@@ -295,3 +295,46 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
     text = log.read_text(errors="replace")
     assert "unloaded 'pd'" in text and "Exit timeout expired" not in text, text[-3000:]
     assert took < cfg.exit_timeout_s, took
+
+
+def _load_gauges(server) -> dict[str, float]:
+    """The endpoint picker's gauges: typed gauge, exactly one unlabelled series each."""
+    from rngd_pd.triton import metrics
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for name in (metrics.REQUESTS_WAITING, metrics.REQUESTS_RUNNING, metrics.KV_USAGE):
+        assert f"# TYPE {name} gauge" in text, name
+        series = [ln for ln in text.splitlines() if ln.split(" ", 1)[0].split("{", 1)[0] == name]
+        assert len(series) == 1 and series[0].startswith(name + " "), series
+        out[name] = float(series[0].split()[1])
+    return out
+
+
+def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
+    from rngd_pd.triton import metrics
+
+    ids = E.prompt_ids(E.PROMPTS[1])
+    deadline = time.monotonic() + 30
+    while any(_load_gauges(server).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # what earlier tests left is still draining
+    assert not any(_load_gauges(server).values())
+    threads = [threading.Thread(target=E.stream_infer, args=(server.grpc_url, "pd",
+                                E.pd_inputs(ids, max_tokens=48), PD_OUT), kwargs={"timeout": 300})
+               for _ in range(12)]  # 12 decode requests for 8 slots: 4 wait
+    for t in threads:
+        t.start()
+    peak = dict.fromkeys((metrics.REQUESTS_WAITING, metrics.REQUESTS_RUNNING, metrics.KV_USAGE), 0.0)
+    while any(t.is_alive() for t in threads):
+        for name, value in _load_gauges(server).items():
+            peak[name] = max(peak[name], value)
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert peak[metrics.REQUESTS_WAITING] >= 1 and 1 <= peak[metrics.REQUESTS_RUNNING] <= 8, peak
+    assert 0 < peak[metrics.KV_USAGE] <= 1.0, peak
+    deadline = time.monotonic() + 10
+    while any(_load_gauges(server).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _load_gauges(server) == dict.fromkeys(peak, 0.0)

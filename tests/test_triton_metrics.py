@@ -59,3 +59,25 @@ def test_kv_transfer_median_per_transport() -> None:
     key = (metrics.KV_TRANSFER, (("kv_transport", "shm"), ("model", "decode")))
     assert sink.gauges[key] == pytest.approx(2.0)
     assert m.snapshot()[metrics.KV_TRANSFER] == {"shm": pytest.approx(2.0), "tcp": pytest.approx(500.0)}
+
+
+@pytest.mark.parametrize(("role", "publisher"), [(None, "decode"), ("all", "decode"), ("decode", "decode"),
+                                                 ("gateway", "pd"), ("prefill", "prefill")])
+def test_one_model_per_server_publishes_the_load_gauges(role, publisher) -> None:
+    env = {} if role is None else {"RNGD_PD_ROLE": role}
+    models = ("pd", "decode", "prefill", "colocated")
+    assert [m for m in models if metrics.publishes_load(m, env)] == [publisher]
+
+
+def test_load_gauges_are_one_unlabelled_series_each_and_clamped() -> None:
+    sink = RecordingSink()
+    current = [metrics.Load(3, 8, 1.25)]
+    gauges = metrics.LoadGauges(lambda: current[0], sink, every_s=3600)
+    gauges.close()
+    gauges.publish()
+    assert sink.gauges == {(metrics.REQUESTS_WAITING, ()): 3, (metrics.REQUESTS_RUNNING, ()): 8,
+                           (metrics.KV_USAGE, ()): 1.0}
+    current[0] = metrics.Load(0, 1, 0.125)
+    gauges.publish()
+    assert sink.gauges[(metrics.KV_USAGE, ())] == 0.125 and len(sink.gauges) == 3
+    assert metrics.load_gauges("pd", lambda: metrics.Load(0, 0), sink, {"RNGD_PD_ROLE": "all"}) is None

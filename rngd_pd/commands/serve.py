@@ -92,7 +92,7 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
     pairs = ((params.ENV_MODEL, args.model), (params.ENV_KV_TRANSPORT, args.kv_transport),
              (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_DTYPE, args.dtype),
              (params.ENV_PREFILL_URL, args.prefill_url),
-             (params.ENV_DECODE_URL, args.decode_url))
+             (params.ENV_DECODE_URL, args.decode_url), (params.ENV_ROLE, args.role))
     for name, value in pairs:
         if value:
             env[name] = str(Path(value).resolve()) if name == params.ENV_MODEL else value

@@ -115,6 +115,13 @@ class DecodeService:
         s = self.stats()
         return s["queued"] + s["loading"] + s["active"]
 
+    def load(self) -> Any:
+        """The endpoint picker's view: queued, holding a slot, slots in use over all slots."""
+        from rngd_pd.triton.metrics import Load
+
+        s = self.stats()
+        return Load(s["queued"], s["loading"] + s["active"], 1.0 - s["free_slots"] / s["num_slots"])
+
     def close(self) -> None:
         self.engine.stop()
         self.transport.close()
@@ -127,7 +134,7 @@ class DecodeModel:
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.triton import pbutils
-        from rngd_pd.triton.metrics import triton_metrics
+        from rngd_pd.triton.metrics import load_gauges, triton_metrics
         from rngd_pd.triton.sending import ResponseLoop
         from rngd_pd.triton.serving import DecodeParams, load_for, model_params
 
@@ -138,6 +145,7 @@ class DecodeModel:
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
         self.responses = ResponseLoop(name)
+        self.load = load_gauges("decode", self.service.load, self.metrics.sink)
         self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
                                              "GAUGE")
         self._in_flight = self._family.Metric(labels={"model": name})
@@ -197,6 +205,8 @@ class DecodeModel:
         return emit
 
     def finalize(self) -> None:
+        if self.load is not None:
+            self.load.close()
         self.service.close()
         self.responses.close()
         self.metrics.close()

@@ -11,16 +11,30 @@ plus histograms in seconds for dashboards (`airm_ttft_seconds`, `airm_tpot_secon
 `airm_kv_transfer_seconds`). Triton 2.51's Python backend has COUNTER, GAUGE and HISTOGRAM families.
 Every metric carries a `model` label so two models of one server never write the same series.
 
+For llm-d's endpoint picker, each server also exposes the load gauges it scores pods on, one series
+per name and no labels (the EPP config's `engineConfigs` entry names them; deploy/helm):
+
+* `rngd_pd_requests_waiting`      requests admitted but not started (queued)
+* `rngd_pd_requests_running`      requests being served
+* `rngd_pd_kv_cache_usage_ratio`  0..1: decode slots holding a request's KV over all slots (the
+  static cache's allocation unit; 1.0 = the next request waits)
+
+Exactly one model per server publishes them, by the server's role (`RNGD_PD_ROLE`, set by
+`rngd-pd serve --role`; plain tritonserver = all): decode where decode runs (all, decode), pd on a
+gateway (its own queue; the KV lives on the decode servers: 0), prefill on a prefill server (its
+queue; it holds no KV after a hand-off: 0). `LoadGauges` samples the model's state on one thread.
+
 `ServingMetrics` holds the windows and computes the values in plain Python (a test drives it with a
 recording sink); `TritonSink` writes them through `pb_utils.MetricFamily` inside a model.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +58,15 @@ HISTOGRAMS: dict[str, str] = {
     TPOT_HIST: "time per output token after the first (s)",
     KV_HIST: "KV transfer time per request (s)",
 }
+REQUESTS_WAITING = "rngd_pd_requests_waiting"
+REQUESTS_RUNNING = "rngd_pd_requests_running"
+KV_USAGE = "rngd_pd_kv_cache_usage_ratio"
+LOAD_GAUGES: dict[str, str] = {
+    REQUESTS_WAITING: "requests admitted and waiting to start (for the endpoint picker)",
+    REQUESTS_RUNNING: "requests being served (for the endpoint picker)",
+    KV_USAGE: "fraction 0..1 of decode KV slots in use (for the endpoint picker)",
+}
+LOAD_PUBLISHER = {"all": "decode", "decode": "decode", "gateway": "pd", "prefill": "prefill"}
 BUCKETS: dict[str, list[float]] = {
     TTFT_HIST: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
     TPOT_HIST: [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5],
@@ -60,6 +83,60 @@ def percentile(values: Iterable[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(data) - 1)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Load:
+    """A model's load as the endpoint picker reads it."""
+
+    waiting: int
+    running: int
+    kv_usage: float = 0.0
+
+
+def publishes_load(model: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `model` publishes this server's load gauges (one model per server; module docstring)."""
+    from rngd_pd.triton.params import ENV_ROLE
+
+    env = os.environ if env is None else env
+    return LOAD_PUBLISHER.get(env.get(ENV_ROLE) or "all") == model
+
+
+class LoadGauges:
+    """Writes `sample()` to the three load gauges every `every_s` seconds, on one thread."""
+
+    def __init__(self, sample: Callable[[], Load], sink: Sink, every_s: float = 0.5) -> None:
+        self.sample, self.sink, self.every_s = sample, sink, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-gauges", daemon=True)
+        self._thread.start()
+
+    def publish(self) -> Load:
+        load = self.sample()
+        self.sink.set_gauge(REQUESTS_WAITING, {}, load.waiting)
+        self.sink.set_gauge(REQUESTS_RUNNING, {}, load.running)
+        self.sink.set_gauge(KV_USAGE, {}, min(1.0, max(0.0, load.kv_usage)))
+        return load
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.publish()
+            except Exception:  # a sample must never take the model down; the next one may work
+                pass
+            self._stop.wait(self.every_s)
+
+    def close(self) -> None:
+        """Stop sampling (call before the sink's metrics are dropped)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+def load_gauges(model: str, sample: Callable[[], Load], sink: Sink,
+                env: Mapping[str, str] | None = None) -> LoadGauges | None:
+    """The load gauges when `model` is this server's publisher, else None."""
+    return LoadGauges(sample, sink) if publishes_load(model, env) else None
 
 
 class Sink(Protocol):
@@ -167,7 +244,7 @@ class TritonSink:
             family = self._families.get(name)
             if family is None:
                 kind = "HISTOGRAM" if name in HISTOGRAMS else "GAUGE"
-                family = pbutils.metric_family(name, {**GAUGES, **HISTOGRAMS}[name], kind)
+                family = pbutils.metric_family(name, {**GAUGES, **LOAD_GAUGES, **HISTOGRAMS}[name], kind)
                 self._families[name] = family
             extra = {"buckets": BUCKETS[name]} if name in HISTOGRAMS else {}
             metric = self._metrics[key] = family.Metric(labels=labels, **extra)

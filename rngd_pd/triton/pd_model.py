@@ -76,7 +76,17 @@ class _GenerationModel:
              cancelled: Callable[[], bool]) -> RunStats:
         raise NotImplementedError
 
+    def load(self) -> Any:
+        """The endpoint picker's view of this model: queued and running requests (the KV is on
+        the decode servers)."""
+        from rngd_pd.triton.metrics import Load
+
+        n = self.pool.in_flight()
+        return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
+
     def finalize(self) -> None:
+        if getattr(self, "load_gauges", None) is not None:
+            self.load_gauges.close()
         self.responses.close()
         self.pool.close()
         self.metrics.close()
@@ -111,6 +121,9 @@ class PdModel(_GenerationModel):
                            health=watch)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight)
+        from rngd_pd.triton.metrics import load_gauges
+
+        self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool]) -> RunStats:

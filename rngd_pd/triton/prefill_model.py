@@ -49,7 +49,7 @@ class PrefillModel:
     """Triton adapter: one response per request (not decoupled)."""
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.triton.metrics import triton_metrics
+        from rngd_pd.triton.metrics import load_gauges, triton_metrics
         from rngd_pd.triton.serving import PrefillParams, load_for, model_params
 
         p = model_params(PrefillParams, args)
@@ -57,9 +57,27 @@ class PrefillModel:
         self.service = PrefillService(load_for(p, args), p.transport(), p.kv_dtype,
                                       p.chunk_size, p.max_len)
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
+        self._waiting = self._running = 0
+        self.load_gauges = load_gauges("prefill", self.load, self.metrics.sink)
+
+    def load(self) -> Any:
+        """The endpoint picker's view: requests of this batch not started yet, the one running (a
+        prefill holds no KV once it is handed over)."""
+        from rngd_pd.triton.metrics import Load
+
+        return Load(self._waiting, self._running)
 
     def execute(self, requests: list) -> list:
-        return [self._one(r) for r in requests]
+        out = []
+        self._waiting = len(requests)
+        for request in requests:
+            self._waiting -= 1
+            self._running = 1
+            try:
+                out.append(self._one(request))
+            finally:
+                self._running = 0
+        return out
 
     def _one(self, request: Any) -> Any:
         try:
@@ -78,5 +96,7 @@ class PrefillModel:
                                      pbutils.requested_outputs(request))
 
     def finalize(self) -> None:
+        if self.load_gauges is not None:
+            self.load_gauges.close()
         self.service.close()
         self.metrics.close()

@@ -88,10 +88,12 @@ def pd_inputs(ids: list[int], max_tokens: int = MAX_TOKENS, stream: bool = True,
 
 
 def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple[str, ...],
-                 cancel_after: int | None = None, timeout: float = 120.0) -> list[dict]:
+                 cancel_after: int | None = None, timeout: float = 120.0,
+                 parameters: Mapping[str, Any] | None = None) -> list[dict]:
     """Responses of one gRPC streaming request as dicts; an error response raises RuntimeError.
 
-    cancel_after=n stops the stream (cancelling the request) after n responses.
+    cancel_after=n stops the stream (cancelling the request) after n responses; `parameters` are the
+    request's parameters.
     """
     import tritonclient.grpc as grpcclient
 
@@ -101,7 +103,8 @@ def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple
     got: list[dict] = []
     try:
         client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
+                                  parameters=dict(parameters) if parameters else None)
         while cancel_after is None or len(got) < cancel_after:
             result, error = responses.get(timeout=timeout)
             if error is not None:

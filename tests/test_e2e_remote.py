@@ -18,6 +18,7 @@ from tests import e2e_support as E
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 
 pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"  # the served model name of the embedded model
 
 
 def _server(stack: contextlib.ExitStack, models: list[str], env: dict[str, str], logs: Path) -> TritonServer:
@@ -58,6 +59,67 @@ def test_three_servers_prefill_decode_gateway_give_the_same_tokens() -> None:
             status, body = E.http_post(gateway.http_url, "/v2/models/pd/generate",
                                        {"input_ids": [42] * 3000, "max_tokens": 4})
             assert status == 400 and "ContextLengthError" in json.loads(body)["error"], body
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _inferences(server: TritonServer, model: str) -> int:
+    """Requests `model` has executed on `server` (Triton's statistics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/stats", timeout=10) as resp:
+        return int(json.load(resp)["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+def test_the_prefiller_header_picks_the_prefill_server() -> None:
+    """llm-d's endpoint picker names a prefill pod in `x-prefiller-host-port`: two prefill servers,
+    one gateway whose configured prefill is the first; the header sends a request to the second."""
+    import openai
+
+    from rngd_pd.frontend.app import create_app
+    from rngd_pd.frontend.config import FrontendConfig
+    from rngd_pd.frontend.served_model import load_served_model
+    from rngd_pd.model.params import PREFILLER_HEADER
+    from tests.frontend_fakes import serve_app
+
+    require_tritonserver()
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-e2e-prefiller-", dir=base)
+    logs = Path(tempfile.mkdtemp(prefix="rngd-pd-e2e-prefiller-logs-"))
+    kv_env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root}
+    try:
+        with contextlib.ExitStack() as stack:
+            first = _server(stack, ["prefill"], kv_env, logs)
+            second = _server(stack, ["prefill"], kv_env, logs)
+            decode = _server(stack, ["decode"], kv_env, logs)
+            urls = {"RNGD_PD_PREFILL_URL": f"127.0.0.1:{first.cfg.grpc_port}",
+                    "RNGD_PD_DECODE_URL": f"127.0.0.1:{decode.cfg.grpc_port}"}
+            gateway = _server(stack, ["pd"], urls, logs)
+            for server in (first, second, decode, gateway):
+                server.wait_ready(READY_TIMEOUT_S)
+            text = E.PROMPTS[0]
+            ids = E.reference(text)[0]
+            counts = lambda: (_inferences(first, "prefill"), _inferences(second, "prefill"))  # noqa: E731
+            chosen = f"127.0.0.1:{second.cfg.grpc_port}"
+
+            before = counts()
+            got = E.stream_infer(gateway.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), ("output_ids",))
+            assert E.ids_of(got) == list(ids) and counts() == (before[0] + 1, before[1])  # configured one
+            got = E.stream_infer(gateway.grpc_url, "pd", E.pd_inputs(E.prompt_ids(text)), ("output_ids",),
+                                 parameters={PREFILLER_HEADER: chosen})
+            assert E.ids_of(got) == list(ids) and counts() == (before[0] + 1, before[1] + 1)  # the named one
+
+            config = FrontendConfig(triton_url=gateway.grpc_url)
+            with serve_app(create_app(config, model=load_served_model(config))) as url:
+                client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+                kwargs = {"model": MODEL, "prompt": text, "max_tokens": E.MAX_TOKENS, "temperature": 0}
+                plain = client.completions.create(**kwargs).choices[0].text
+                assert counts() == (before[0] + 2, before[1] + 1)
+                named = client.completions.create(**kwargs, extra_headers={PREFILLER_HEADER: chosen})
+                assert named.choices[0].text == plain and counts() == (before[0] + 2, before[1] + 2)
+                with pytest.raises(openai.BadRequestError, match=PREFILLER_HEADER):
+                    client.completions.create(**kwargs, extra_headers={PREFILLER_HEADER: "not-an-address"})
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
         shutil.rmtree(logs, ignore_errors=True)

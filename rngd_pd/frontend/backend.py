@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
-from rngd_pd.model.params import SamplingParams
+from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams
 
 _NP = {
     "INT32": np.int32,
@@ -50,6 +50,7 @@ class GenerateRequest:
     request_id: str
     input_ids: list[int]
     params: SamplingParams
+    prefill_at: str | None = None  # host:port (gRPC) of the prefill server llm-d chose, if any
 
 
 class Backend(Protocol):
@@ -256,6 +257,8 @@ def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> servic
         values["ignore_eos"] = [True]
     out = service_pb2.ModelInferRequest(model_name=model, id=req.request_id)
     out.parameters["triton_enable_empty_final_response"].bool_param = True
+    if req.prefill_at:  # pd prefills this request there (rngd_pd.triton.pd_model)
+        out.parameters[PREFILLER_HEADER].string_param = req.prefill_at
     for name, value in values.items():
         dtype = info.inputs.get(name)
         if dtype is None:

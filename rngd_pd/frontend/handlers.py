@@ -33,7 +33,7 @@ from rngd_pd.frontend.schemas import (
     _GenerationRequest,
 )
 from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
-from rngd_pd.model.params import SamplingParams
+from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams, prefiller_address
 
 if TYPE_CHECKING:
     from rngd_pd.frontend.app import FrontendState
@@ -139,6 +139,13 @@ def _usage(gen: TextGeneration) -> Usage:
     )
 
 
+def _prefill_at(request: Request) -> str | None:
+    """The prefill server llm-d's endpoint picker chose (`x-prefiller-host-port`), checked; None
+    without the header (pd then prefills on its configured server)."""
+    value = request.headers.get(PREFILLER_HEADER)
+    return prefiller_address(value) if value else None
+
+
 async def completion(state: FrontendState, body: CompletionRequest, request: Request) -> Any:
     _check_model(state, body.model)
     model = await state.context_model()
@@ -148,7 +155,7 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
     gen = TextGeneration(
         state.backend,
         state.model.tokenizer,
-        GenerateRequest(rid, ids, _sampling(body, max_tokens)),
+        GenerateRequest(rid, ids, _sampling(body, max_tokens), _prefill_at(request)),
         arrival=request.scope.get(ARRIVAL_KEY),
     )
     echo = None
@@ -177,7 +184,7 @@ async def chat(state: FrontendState, body: ChatCompletionRequest, request: Reque
     gen = TextGeneration(
         state.backend,
         state.model.tokenizer,
-        GenerateRequest(rid, ids, _sampling(body, max_tokens)),
+        GenerateRequest(rid, ids, _sampling(body, max_tokens), _prefill_at(request)),
         arrival=request.scope.get(ARRIVAL_KEY),
     )
     if body.stream:

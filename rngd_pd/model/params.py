@@ -12,6 +12,21 @@ from enum import StrEnum
 
 from rngd_pd.errors import ConfigError
 
+PREFILLER_HEADER = "x-prefiller-host-port"
+"""llm-d's endpoint picker names the prefill server it chose for a request in this HTTP header; the
+front end passes it to pd as a request parameter of the same name, and pd prefills the request on
+that server's gRPC endpoint."""
+
+
+def prefiller_address(value: str) -> str:
+    """`host:port` as the header gives it, checked (ConfigError naming the header otherwise)."""
+    host, sep, port = value.strip().rpartition(":")
+    bad_host = not host or any(c in host for c in "/@ ")
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{PREFILLER_HEADER} must be host:port of a prefill server's gRPC endpoint, "
+                          f"got {value!r}")
+    return f"{host}:{int(port)}"
+
 
 class FinishReason(StrEnum):
     """Why a request ended: the one set of names every part uses (engine events, the `finish_reason`

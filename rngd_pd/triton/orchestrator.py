@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +41,7 @@ POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel f
 # drop it (decode ends it at once, with finish_reason "cancelled"; a decode that does not answer must
 # not hold the request).
 JOIN_S = 2.0
+CHOSEN_CLIENTS = 16  # gRPC clients to prefill servers named per request, kept open (most recent)
 
 
 class ModelClient(Protocol):
@@ -132,14 +135,44 @@ class Orchestrator:
         # decode's streams are read on a fixed pool, one thread per running request; `run` is called
         # by at most `max_streams` threads at once (pd's request pool), so a stream never waits here
         self._pumps = RequestPool("pd-decode-stream", max_streams, max_streams)
+        self._chosen: OrderedDict[str, ModelClient] = OrderedDict()  # prefill servers llm-d named
+        self._chosen_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop reading decode streams (from the model's finalize)."""
         self._pumps.close()
+        with self._chosen_lock:
+            for client in self._chosen.values():
+                close = getattr(client, "close", None)
+                if close is not None:
+                    close()
+            self._chosen.clear()
+
+    def prefill_client(self, address: str | None) -> ModelClient:
+        """The configured prefill client, or one for the server llm-d's endpoint picker chose
+        (`host:port`, gRPC); the most recent CHOSEN_CLIENTS are kept open."""
+        if not address:
+            return self.prefill
+        with self._chosen_lock:
+            client = self._chosen.pop(address, None)
+            if client is None:
+                from rngd_pd.triton.clients import GrpcClient
+
+                client = GrpcClient(address)
+            self._chosen[address] = client
+            while len(self._chosen) > CHOSEN_CLIENTS:
+                _, old = self._chosen.popitem(last=False)
+                close = getattr(old, "close", None)
+                if close is not None:
+                    close()
+            return client
 
     def run(self, input_ids: list[int], params: SamplingParams, stream: bool,
-            emit: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False) -> RunStats:
-        """Generate for one request, calling `emit` per chunk; raises on failure or cancellation."""
+            emit: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False,
+            prefill_at: str | None = None) -> RunStats:
+        """Generate for one request, calling `emit` per chunk; raises on failure or cancellation.
+        `prefill_at`: the prefill server (gRPC host:port) to use for this request instead of the
+        configured one (llm-d's `x-prefiller-host-port`)."""
         if not input_ids:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
         params.validate()
@@ -148,7 +181,7 @@ class Orchestrator:
         pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses)
         out = ChunkEmitter(stream, emit, context_len(params.stop))
         try:
-            first = self._prefill(stats.key, input_ids, params)
+            first = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
             ready = _drain(responses)
             _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
             stats.first_token_at = time.monotonic()
@@ -163,13 +196,13 @@ class Orchestrator:
         stats.end, stats.tokens = time.monotonic(), len(out.ids)
         return stats
 
-    def _prefill(self, key: str, input_ids: list[int], params: SamplingParams) -> int:
+    def _prefill(self, client: ModelClient, key: str, input_ids: list[int], params: SamplingParams) -> int:
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
                   **sampling_inputs(params, with_max_tokens=False)}
         for name in (T.STOP, T.IGNORE_EOS):  # prefill samples one token; when to stop is decode's business
             inputs.pop(name, None)
-        result = self.prefill.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
+        result = client.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
         return int(result[T.FIRST_TOKEN].reshape(-1)[0])
 
     def _pump(self, key: str, prompt_len: int, params: SamplingParams, responses: queue.SimpleQueue) -> None:

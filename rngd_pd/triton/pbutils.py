@@ -52,6 +52,17 @@ def _decode(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def request_parameter(request: Any, name: str) -> str | None:
+    """A request parameter's value as a string (Triton gives them as one JSON object), or None."""
+    import json
+
+    try:
+        value = json.loads(request.parameters() or "{}").get(name)
+    except (ValueError, AttributeError):
+        return None
+    return None if value is None else str(value)
+
+
 def input_scalar(request: Any, name: str, default: Any = None) -> Any:
     """First element of input `name` as a Python value (BYTES -> str), or `default` when absent."""
     array = input_array(request, name)

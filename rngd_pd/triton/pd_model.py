@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.triton import inputs, pbutils
 from rngd_pd.triton import tensors as T
@@ -58,13 +59,15 @@ class _GenerationModel:
             ids = inputs.token_ids(get)
             params = inputs.sampling_params(get)
             want_stream = bool(pbutils.input_scalar(request, T.STREAM, False))
+            prefill_at = pbutils.request_parameter(request, PREFILLER_HEADER)
+            prefill_at = prefiller_address(prefill_at) if prefill_at else None
             stop = list(params.stop)
 
             def emit(chunk: Chunk) -> None:
                 stream.send({T.OUTPUT_IDS: chunk.token_ids, T.FINISH_REASON: chunk.finish_reason,
                              CONTEXT_IDS: chunk.context_ids, T.STOP: stop, T.ERROR: ""}, final=chunk.final)
 
-            stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set)
+            stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set, prefill_at)
         except BaseException as exc:  # every request ends with exactly one final response
             if not isinstance(exc, errors.RngdPdError | ValueError):
                 pbutils.log(f"{self.name}: unexpected {exc!r}", "error")
@@ -73,7 +76,8 @@ class _GenerationModel:
         self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
-             cancelled: Callable[[], bool]) -> RunStats:
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
+        """One request; `prefill_at` is the prefill server llm-d's endpoint picker chose (pd only)."""
         raise NotImplementedError
 
     def load(self) -> Any:
@@ -126,8 +130,8 @@ class PdModel(_GenerationModel):
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
-             cancelled: Callable[[], bool]) -> RunStats:
-        return self.orchestrator.run(ids, params, stream, emit, cancelled)
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
+        return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
 
     def finalize(self) -> None:
         from rngd_pd.triton.clients import RETIRED
@@ -152,7 +156,7 @@ class ColocatedModel(_GenerationModel):
         self._init_serving(args, p.max_inflight, p.max_queue)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
-             cancelled: Callable[[], bool]) -> RunStats:
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
         import time
 
         from rngd_pd.triton.inputs import new_key

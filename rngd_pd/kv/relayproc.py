@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rngd_pd.errors import TransportError
@@ -47,9 +48,11 @@ def _die_with_parent() -> None:
 
 
 def start_relay(host: str = "127.0.0.1", port: int = 0, *extra: str, env: dict | None = None,
-                startup_s: float = 30.0) -> RelayProcess:
-    """Start a relay on a free loopback port (port 0) and wait for its "listening on" line."""
-    cmd = [sys.executable, "-m", "rngd_pd.cli", "kv-relay", "--host", host, "--port", str(port), *extra]
+                startup_s: float = 30.0, exec_prefix: Sequence[str] = ()) -> RelayProcess:
+    """Start a relay on a free loopback port (port 0) and wait for its "listening on" line;
+    `exec_prefix` runs it through another command (e.g. `ip netns exec NAME`)."""
+    cmd = [*exec_prefix, sys.executable, "-m", "rngd_pd.cli", "kv-relay", "--host", host, "--port", str(port),
+           *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
     import selectors

@@ -199,12 +199,14 @@ class ServerConfig:
     log_verbose: int = 0
     exit_timeout_s: int = 10
     extra_args: tuple[str, ...] = ()
+    exec_prefix: tuple[str, ...] = ()  # runs tritonserver through it, e.g. ("ip", "netns", "exec", NAME)
 
     def resolve_ports(self) -> None:
-        """Replace each port 0 with a free port on `host`."""
+        """Replace each port 0 with a free port on `host` (any port is free in a fresh network
+        namespace the prefix enters: then one free here on loopback)."""
         for name in ("http_port", "grpc_port", "metrics_port"):
             if getattr(self, name) == 0:
-                setattr(self, name, free_port(self.host))
+                setattr(self, name, free_port("127.0.0.1" if self.exec_prefix else self.host))
 
 
 # The Python backend's thread pool runs every BLS call and response send; a BLS call to a decoupled
@@ -217,6 +219,7 @@ PYTHON_THREAD_POOL = 2 * 32 + 32
 def build_command(install: TritonInstall, backend_dir: Path, cfg: ServerConfig) -> list[str]:
     """The tritonserver argv for `cfg` (addresses bound to cfg.host, 127.0.0.1 by default)."""
     cmd = [
+        *cfg.exec_prefix,
         str(install.binary),
         f"--model-repository={Path(cfg.repository).resolve()}",
         f"--backend-directory={backend_dir}",

@@ -32,11 +32,13 @@ def test_cpu_always_and_unknown_kind() -> None:
 
 
 def test_missing_sdk_names_it_and_points_at_cpu() -> None:
-    for kind, module in (("rngd", "furiosa_llm"), ("atom", "rebel")):
+    for kind, missing in (("rngd", "SDK environment /nonexistent is missing"), ("atom", "import rebel")):
         with pytest.raises(DeviceUnavailableError) as info:
-            select_device(kind, -1, env={})
+            select_device(kind, -1, env={"RNGD_PD_RNGD_VENV": "/nonexistent"})
         msg = str(info.value)
-        assert f"import {module}" in msg and "--config-name cpu" in msg and "--model-config-name cpu" in msg
+        assert missing in msg and "--config-name cpu" in msg and "--model-config-name cpu" in msg
+    with pytest.raises(DeviceUnavailableError, match="make rngd-env"):
+        select_device("rngd", -1, env={"RNGD_PD_RNGD_VENV": "/nonexistent"})
 
 
 def test_cuda_absent_is_a_clear_error() -> None:

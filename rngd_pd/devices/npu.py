@@ -1,6 +1,7 @@
 """Vendor NPU adapters: FuriosaAI RNGD and Rebellions ATOM.
 
-The SDKs are imported only here, lazily, with an install hint. No SDK or card exists on development
+ATOM's SDK is imported only here, lazily, with an install hint; RNGD's lives in `.venv-rngd`
+(rngd_pd/devices/rngd.py says why) and is looked for there. No SDK or card exists on development
 machines; the adapters are written against the vendors' public packages and verified where the
 hardware is. What they do here: check the SDK, find the cards, resolve the allocated one.
 """
@@ -30,8 +31,8 @@ class NpuKind:
     resource: str           # Kubernetes extended resource of the device plugin
 
 
-RNGD = NpuKind("rngd", "FuriosaAI RNGD", "furiosa_llm",
-               "install the FuriosaAI SDK (furiosa-llm, with the RNGD driver and furiosa runtime)",
+RNGD = NpuKind("rngd", "FuriosaAI RNGD", "furiosa.torch",
+               "install the RNGD driver, then run `make rngd-env` (furiosa-torch in its own .venv-rngd)",
                "/dev/rngd/npu[0-9]*", "furiosa.ai/rngd")
 ATOM = NpuKind("atom", "Rebellions ATOM", "rebel",
                "install the Rebellions SDK (rebel-compiler and the RBLN driver/runtime)",
@@ -39,8 +40,15 @@ ATOM = NpuKind("atom", "Rebellions ATOM", "rebel",
 NPUS: dict[str, NpuKind] = {RNGD.kind: RNGD, ATOM.kind: ATOM}
 
 
-def sdk_missing(npu: NpuKind) -> str | None:
-    """Why the SDK cannot be imported, or None when it can."""
+def sdk_missing(npu: NpuKind, env: Mapping[str, str] | None = None) -> str | None:
+    """Why the SDK cannot be used, or None when it can. RNGD's lives in its own environment
+    (furiosa-torch pins torch 2.10 and numpy 2: rngd_pd/devices/rngd.py); ATOM's is imported here."""
+    if npu is RNGD:
+        from rngd_pd.devices.rngd import rngd_env, rngd_python
+
+        if rngd_python(env) is None:
+            return f"the FuriosaAI RNGD SDK environment {rngd_env(env)} is missing or incomplete"
+        return None
     try:
         importlib.import_module(npu.sdk_module)
     except ImportError as exc:
@@ -57,7 +65,7 @@ def cards(npu: NpuKind, env: Mapping[str, str] | None = None) -> list[str]:
 def select_npu(npu: NpuKind, device_id: int, instance: int = 0,
                env: Mapping[str, str] | None = None) -> Device:
     """The card an instance runs on; DeviceUnavailableError naming the missing SDK or card."""
-    missing = sdk_missing(npu)
+    missing = sdk_missing(npu, env)
     if missing:
         raise unavailable(missing, npu.install_hint)
     found = cards(npu, env)
@@ -71,9 +79,9 @@ def select_npu(npu: NpuKind, device_id: int, instance: int = 0,
 def report(npu: NpuKind, env: Mapping[str, str] | None = None) -> DeviceReport:
     """Is this vendor usable here: SDK importable and at least one card visible."""
     found = tuple(cards(npu, env))
-    missing = sdk_missing(npu)
+    missing = sdk_missing(npu, env)
     if missing:
         return DeviceReport(npu.kind, False, found, f"{missing}; {npu.install_hint}")
     if not found:
-        return DeviceReport(npu.kind, False, found, f"no card visible ({npu.card_glob})")
+        return DeviceReport(npu.kind, False, found, f"no {npu.label} card visible ({npu.card_glob})")
     return DeviceReport(npu.kind, True, found)

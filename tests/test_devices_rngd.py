@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -82,6 +85,29 @@ def test_last_progress_names_the_compiler_stage():
            '"current_stage":2,"stages":12}\n')
     assert rngd_graphs.last_progress(out) == "Compiling from primitive to kernelized (2/12)"
     assert rngd_graphs.last_progress("nothing") == ""
+
+
+def test_compile_processes_die_with_their_caller():
+    """A caller killed by its own timeout must not leave an hour-long compile behind."""
+    code = ("import subprocess, time\nfrom rngd_pd.devices.rngd_graphs import die_with_parent\n"
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent)\n"
+            "print(p.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
 
 
 def test_worker_messages_round_trip():

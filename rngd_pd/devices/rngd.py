@@ -117,8 +117,10 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
     shapes = DEFAULT_SHAPES if shapes is None else shapes
     cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
            "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
+    from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
+
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
     rows = parse_rows(proc.stdout)
     if not rows and (shapes.prefill_chunks or shapes.decode):
         raise RngdPdError(f"rngd_graphs printed no results (exit status {proc.returncode}): "
@@ -199,8 +201,10 @@ class _Worker:
     def __init__(self, python: Path, device: Device, source: str, dtype: str) -> None:
         cmd = [str(python), "-m", _GRAPHS, "--serve", "--device-index", str(device.index),
                "--model", source, "--dtype", dtype]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=sys.stderr, cwd=repo_root())
+        from rngd_pd.devices.rngd_graphs import die_with_parent
+
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
+                                     cwd=repo_root(), preexec_fn=die_with_parent)
         self.lock = threading.Lock()
 
     def call(self, op: str, tensors: Iterable[Any] = (), **args: Any) -> tuple[dict[str, Any], list[Any]]:

@@ -360,6 +360,16 @@ def last_progress(text: str) -> str:
     return ""
 
 
+def die_with_parent() -> None:
+    """preexec_fn of our subprocesses (Linux): killed when the process that started them dies, so a
+    caller killed by its own timeout leaves no compile running for an hour."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
 def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     """compile_one in a child process (a Rust panic or abort kills only the child); a child that
     runs past args.timeout is killed and reported with the compiler stage it had reached."""
@@ -371,7 +381,7 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     base = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
             "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "refused_ops": []}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, preexec_fn=die_with_parent)
         try:
             code: int | None = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:

@@ -233,12 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
     p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
                    help="decode shapes WIDTHxBUCKET, comma-separated")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the device's compute dtype")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                   help="compute dtype (default: bf16 for rngd, whose graphs are bf16; else fp32)")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--steps", type=int, default=8, help="decode steps per shape")
     p.add_argument("--atol", type=float, default=None, help="default: 1e-4 in fp32, 5e-2 in bf16")
     p.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device == "rngd" else "fp32")
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
                          args.dtype, args.kv_dtype)
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)

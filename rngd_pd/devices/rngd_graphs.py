@@ -158,7 +158,7 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
         return PrefillGraph(), (torch.arange(spec.t, dtype=torch.long) % c.vocab_size,)
     b, n = spec.b, spec.l
     shape = (b, c.num_kv_heads, n, c.head_dim)
-    kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * c.num_layers))
+    kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * len(model.layers)))
     positions = torch.arange(b, dtype=torch.long) % n
     return DecodeGraph(b, n), (torch.ones(b, dtype=torch.long), positions, torch.arange(b), *kv)
 
@@ -293,6 +293,9 @@ def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 
         row["stage"] = "load"
         loaded = load_model(None, dtype=_dtype(args.dtype), progress=False)
+        if args.layers:  # the same graph, fewer decoder layers (they repeat): a quicker full compile
+            loaded.model.layers = loaded.model.layers[: args.layers]
+        row["layers"] = len(loaded.model.layers)
         secs["load"] = round(time.perf_counter() - t0, 2)
 
         row["stage"] = "export"
@@ -347,6 +350,9 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--tactic-hint", args.tactic_hint]
     if args.max_unique_shapes:
         out += ["--max-unique-shapes", str(args.max_unique_shapes)]
+    if args.layers:
+        out += ["--layers", str(args.layers)]
+    out += ["--max-rss-gb", str(args.max_rss_gb)]
     return out
 
 
@@ -370,6 +376,31 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
+def _rss_gb(pid: int) -> float:
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _watch(proc: Any, timeout: float, max_rss_gb: float) -> tuple[int | None, str]:
+    """Wait for a compile child; kill it past `timeout` seconds or `max_rss_gb` of resident memory
+    (a 30-layer decode graph grew past 16 GB in the compiler's lowering stage here)."""
+    start = time.monotonic()
+    while proc.poll() is None:
+        rss = _rss_gb(proc.pid)
+        why = (f"no result within {timeout:.0f} s (--timeout)" if time.monotonic() - start > timeout else
+               f"{rss:.1f} GB resident, over --max-rss-gb {max_rss_gb:g}" if max_rss_gb and rss > max_rss_gb
+               else "")
+        if why:
+            proc.kill()
+            proc.wait()
+            return None, why if "resident" in why else "timeout: " + why
+        time.sleep(1.0)
+    return proc.returncode, ""
+
+
 def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     """compile_one in a child process (a Rust panic or abort kills only the child); a child that
     runs past args.timeout is killed and reported with the compiler stage it had reached."""
@@ -382,12 +413,7 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
             "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "refused_ops": []}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, preexec_fn=die_with_parent)
-        try:
-            code: int | None = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = None
+        code, killed = _watch(proc, args.timeout, args.max_rss_gb)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
@@ -397,10 +423,11 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(json.JSONDecodeError):
                 return json.loads(line)
     reached = last_progress(stderr)  # the compiler writes its progress lines to stderr
-    if code is None:
-        return {**base, "stage": "timeout", "seconds": secs, "progress": reached,
-                "error": f"no result within {args.timeout:.0f} s (--timeout); the compiler had reached: "
-                         f"{reached or 'no progress line'}"}
+    if killed:
+        return {**base, "stage": "timeout" if killed.startswith("timeout") else "memory", "seconds": secs,
+                "progress": reached, "error": f"stopped: {killed}; the compiler had reached: "
+                                              f"{reached or 'no progress line'}"}
+    assert code is not None
     how = f"signal {-code}" if code < 0 else f"exit status {code}"
     return {**base, "stage": "crashed", "seconds": secs, "progress": reached,
             "error": f"the compile process died ({how}): {stderr[-3000:].strip()}",
@@ -528,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how far to go: import (the DFG import that refuses ops), lower, compile")
     ap.add_argument("--tactic-hint", help="a furiosa TacticHintConfig name, e.g. ForLlmModelIOBound")
     ap.add_argument("--max-unique-shapes", type=int, help="CompilerConfig.max_num_unique_shapes")
+    ap.add_argument("--layers", type=int, help="compile with only the first N decoder layers")
+    ap.add_argument("--max-rss-gb", type=float, default=12.0,
+                    help="kill a compile whose resident memory passes this (0: no limit)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # RngdRuntime's worker
     ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)

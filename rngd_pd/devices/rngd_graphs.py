@@ -22,9 +22,14 @@ The graphs (static shapes, KV as explicit graph inputs and outputs, no module st
   weights or zero-padded rows (CPU batch-invariance devices), attention over the whole bucket L with
   the positions' mask (keys past a row's position weigh exactly zero, as in decode_step's padding).
 
-Ops the compiler does not take as exported (aten.linear, aten.silu, aten.embedding, ...) are first
-decomposed with torch's core-ATen decompositions (`ExportedProgram.run_decompositions()`); what it
-still refuses is reported per graph.
+Each graph goes through furiosa's own preprocessing (`preprocess_exported_program`: its 802
+decomposition rules; torch's `run_decompositions()` would give aten.addmm, which the DFG importer
+refuses), then `--stage import` (the DFG import, where unsupported ops are refused: ~40 s a graph
+here), `lower` or `compile` (all 12 compiler stages, down to the binary). The compiler needs an
+aarch64 cross compiler (`aarch64-linux-gnu-gcc` and its libc headers) for its last stages. A compile
+child past `--timeout` or `--max-rss-gb` is killed and reported with the compiler stage it reached;
+`--layers N` compiles the same graph with only the first N decoder layers. docs/devices-rngd.md has
+what compiled here and how long it took.
 """
 
 from __future__ import annotations

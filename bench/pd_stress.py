@@ -181,6 +181,29 @@ def _rounds(args: argparse.Namespace, run: int, grpc_url: str, prompts: list[str
     return rows
 
 
+def dump_stubs(server_pid: int, timeout_s: float = 60.0) -> str:
+    """Every Python stub's thread stacks (py-spy dump), for a round whose streams went silent: where
+    pd, prefill and decode wait. Empty when py-spy is not installed (`pip install py-spy`)."""
+    import shutil
+    import subprocess
+
+    from rngd_pd.triton.supervisor import stub_processes
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        return ""
+    out = []
+    for stub in stub_processes(server_pid):
+        try:
+            done = subprocess.run([spy, "dump", "--pid", str(stub.pid)], capture_output=True, text=True,
+                                  timeout=timeout_s)
+            text = done.stdout + done.stderr
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            text = f"py-spy failed: {exc}"
+        out.append(f"===== py-spy dump of {stub.instance} (pid {stub.pid}) =====\n{text}")
+    return "\n".join(out)
+
+
 def _run(args: argparse.Namespace, run: int, prompts: list[str],
          ids: list[list[int]]) -> tuple[list[dict], str, str]:
     """(rows, server log text, error) of one run with a fresh relay and server, both stopped at its end."""
@@ -190,7 +213,7 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
     from rngd_pd.triton.server import ServerConfig, TritonServer, free_port
 
     rows: list[dict] = []
-    error = ""
+    error = dumps = ""
     with contextlib.ExitStack() as stack:
         shm = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir()
                                                               else None))
@@ -213,10 +236,14 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
                       + (f", relay {relay}" if relay else "") + ")", file=sys.stderr, flush=True)
                 server.wait_ready(args.ready_timeout)
                 rows = _rounds(args, run, server.grpc_url, prompts, ids)
+                if rows and rows[-1]["failed"] and server.proc is not None:
+                    dumps = dump_stubs(server.proc.pid)  # while whatever holds the streams still does
         except (RngdPdError, OSError, ValueError) as exc:  # a run that could not start is a failed run
             first = str(exc).splitlines()[0] if str(exc) else ""
             error = f"{type(exc).__name__}: {first}"[:200]
         text = log.read_text(errors="replace") if log.exists() else ""
+        if dumps:
+            text += "\n" + dumps
     return rows, text, error
 
 

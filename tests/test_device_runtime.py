@@ -247,3 +247,21 @@ def test_devices_lists_environments_and_which_configs_load(capsys) -> None:
     assert "rngd:" in configs["config.pbtxt"]["why_not"] and "atom:" in configs["config.pbtxt"]["why_not"]
     if not torch.cuda.is_available():
         assert not configs["cuda"]["loads"] and "CUDA" in configs["cuda"]["why_not"]
+
+
+@pytest.mark.slow
+def test_rngd_compile_only_conformance_takes_every_graph_through_the_furiosa_compiler() -> None:
+    from rngd_pd.devices.rngd import rngd_python
+
+    if rngd_python() is None:
+        pytest.skip("needs the FuriosaAI environment: run `make rngd-env`")
+    out = _conformance("rngd", "--compile-only", "--chunks", "16", "--decode", "1x32")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "prefill@import" in out.stdout and "decode@import" in out.stdout and "furiosa-torch" in out.stdout
+
+
+def test_rngd_compile_only_without_its_environment_names_make_rngd_env(tmp_path) -> None:
+    env = {**os.environ, "RNGD_PD_RNGD_VENV": str(tmp_path / "none")}
+    out = subprocess.run([sys.executable, "-m", "rngd_pd.devices.conformance", "rngd", "--compile-only"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 2 and "make rngd-env" in out.stderr, out.stderr

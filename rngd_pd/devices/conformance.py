@@ -13,8 +13,10 @@ Checks, for every configured shape (prefill chunks; decode batch width x sequenc
 The reference computes in fp32 on the CPU; the device in `--dtype` (fp32 by default: tokens must
 then be equal). `rngd --compile-only` compiles every graph with the Furiosa compiler inside
 `.venv-rngd` (it says to run `make rngd-env` when that is missing) and checks nothing numeric: for
-hosts without a card. Exits 1 on any failure, 2 when the device cannot be used here; prints what it
-checked either way.
+hosts without a card. `--stage import` (the default) stops where the compiler accepts or refuses each
+op (~40 s a graph on 2 cores); `--stage compile` goes to the binary (docs/devices-rngd.md: the 30-layer
+graphs did not finish in 30 min on 2 cores). Exits 1 on any failure, 2 when the device cannot be used
+here; prints what it checked either way.
 """
 
 from __future__ import annotations
@@ -200,16 +202,24 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
     return dev, ref
 
 
-def compile_only(kind: str, shapes: GraphShapes) -> list[Check]:
-    """Compile every graph for a card on a host that may have none (rngd only)."""
+def compile_only(kind: str, shapes: GraphShapes, stage: str = "import") -> list[Check]:
+    """Take every graph through the card's compiler on a host that may have none (rngd only), up to
+    `stage` (import: every op accepted, ~40 s a graph on 2 cores; compile: the binary, far longer)."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
     from rngd_pd.devices.rngd import compile_check
 
-    return [Check("compile", str(r.get("shape", "")), bool(r.get("ok")),
-                  str(r.get("error") or r.get("detail") or ""), float(r.get("seconds", 0.0)))
-            for r in compile_check(shapes)]
+    checks = []
+    for r in compile_check(shapes, stage=stage):  # rows of rngd_graphs: seconds per step
+        secs = r.get("seconds") or {}
+        total = sum(secs.values()) if isinstance(secs, dict) else float(secs)
+        refused = ", ".join(r.get("refused_ops") or [])
+        detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
+        sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
+        checks.append(Check(f"{r.get('graph', 'graph')}@{stage}", str(r.get("shape", "")), bool(r.get("ok")),
+                            f"{detail} ({sdk})" if sdk else detail, round(total, 1)))
+    return checks
 
 
 def format_table(kind: str, checks: Sequence[Check]) -> str:
@@ -230,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("device", choices=("cpu", "cuda", "rngd", "atom"))
     p.add_argument("--device-id", type=int, default=-1, help="card ordinal; -1 = the allocated / first one")
     p.add_argument("--compile-only", action="store_true", help="rngd: compile every graph, run nothing")
+    p.add_argument("--stage", default="import", choices=("import", "lower", "compile"),
+                   help="--compile-only: how far the compiler goes (import: every op accepted)")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
     p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
                    help="decode shapes WIDTHxBUCKET, comma-separated")
@@ -246,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
     try:
         if args.compile_only:
-            checks = compile_only(args.device, shapes)
+            checks = compile_only(args.device, shapes, args.stage)
         else:
             dev, ref = device_runtime(args.device, args.device_id, args.dtype)
             rtol = 1e-3 if args.dtype == "fp32" else 5e-2

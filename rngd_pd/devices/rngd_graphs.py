@@ -372,13 +372,13 @@ def last_progress(text: str) -> str:
 
 
 def die_with_parent() -> None:
-    """preexec_fn of our subprocesses (Linux): killed when the process that started them dies, so a
+    """preexec_fn of our subprocesses: SIGKILLed when the process that started them dies, so a
     caller killed by its own timeout leaves no compile running for an hour."""
-    import ctypes
     import signal
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    from rngd_pd.children import die_with_parent as with_signal
+
+    with_signal(signal.SIGKILL)
 
 
 def _rss_gb(pid: int) -> float:

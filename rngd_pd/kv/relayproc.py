@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rngd_pd.children import die_with_parent
 from rngd_pd.errors import TransportError
 
 
@@ -39,14 +38,6 @@ class RelayProcess:
         self.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when its parent dies, so a killed test leaves no relay."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_relay(host: str = "127.0.0.1", port: int = 0, *extra: str, env: dict | None = None,
                 startup_s: float = 30.0, exec_prefix: Sequence[str] = ()) -> RelayProcess:
     """Start a relay on a free loopback port (port 0) and wait for its "listening on" line;
@@ -54,7 +45,7 @@ def start_relay(host: str = "127.0.0.1", port: int = 0, *extra: str, env: dict |
     cmd = [*exec_prefix, sys.executable, "-m", "rngd_pd.cli", "kv-relay", "--host", host, "--port", str(port),
            *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+                            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
     import selectors
 
     sel = selectors.DefaultSelector()

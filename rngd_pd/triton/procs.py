@@ -2,7 +2,8 @@
 
 tritonserver runs in its own session, so its Python stubs share its process group; stopping the group
 stops them. A server that is killed cannot unlink its stubs' /dev/shm regions, so `stop` removes those
-it saw. `die_with_parent` (a preexec_fn) makes the kernel SIGTERM a child when its starter dies.
+it saw. `rngd_pd.children.die_with_parent` (a preexec_fn) makes the kernel SIGTERM a child when its
+starter dies.
 """
 
 from __future__ import annotations
@@ -53,14 +54,6 @@ def remove_shm_regions(names: Sequence[str], root: Path = Path("/dev/shm")) -> N
         if name.startswith(SHM_REGION_PREFIX) and "/" not in name:
             with contextlib.suppress(FileNotFoundError):
                 (root / name).unlink()
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rngd_pd.children import die_with_parent
 from rngd_pd.errors import RngdPdError
 from rngd_pd.triton.procs import (  # noqa: F401 - stop_process_group, group_alive: public here too
-    die_with_parent,
     group_alive,
     remove_shm_regions,
     shm_regions,

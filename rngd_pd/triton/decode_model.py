@@ -145,7 +145,7 @@ class DecodeModel:
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
         self.responses = ResponseLoop(name)
-        self.load = load_gauges("decode", self.service.load, self.metrics.sink)
+        self.load_gauges = load_gauges("decode", self.service.load, self.metrics.sink)
         self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
                                              "GAUGE")
         self._in_flight = self._family.Metric(labels={"model": name})
@@ -205,8 +205,8 @@ class DecodeModel:
         return emit
 
     def finalize(self) -> None:
-        if self.load is not None:
-            self.load.close()
+        if self.load_gauges is not None:
+            self.load_gauges.close()
         self.service.close()
         self.responses.close()
         self.metrics.close()

@@ -125,6 +125,13 @@ class ChunkEmitter:
             self.emit(Chunk(list(self.ids), [], reason))
 
 
+def _close(client: ModelClient) -> None:
+    """Close a client that has a close() (gRPC ones do; BLS ones hold nothing)."""
+    close = getattr(client, "close", None)
+    if close is not None:
+        close()
+
+
 class Orchestrator:
     """Runs requests through prefill and decode models reached by two `ModelClient`s (thread-safe)."""
 
@@ -143,9 +150,7 @@ class Orchestrator:
         self._pumps.close()
         with self._chosen_lock:
             for client in self._chosen.values():
-                close = getattr(client, "close", None)
-                if close is not None:
-                    close()
+                _close(client)
             self._chosen.clear()
 
     def prefill_client(self, address: str | None) -> ModelClient:
@@ -161,10 +166,7 @@ class Orchestrator:
                 client = GrpcClient(address)
             self._chosen[address] = client
             while len(self._chosen) > CHOSEN_CLIENTS:
-                _, old = self._chosen.popitem(last=False)
-                close = getattr(old, "close", None)
-                if close is not None:
-                    close()
+                _close(self._chosen.popitem(last=False)[1])
             return client
 
     def run(self, input_ids: list[int], params: SamplingParams, stream: bool,

@@ -42,6 +42,7 @@ class _GenerationModel:
         self.metrics = triton_metrics(self.name)
         self.responses = ResponseLoop(self.name, fence=fence, idle=idle, health=health)
         self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
+        self.load_gauges: Any = None  # pd's, on a gateway (metrics.load_gauges)
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -89,7 +90,7 @@ class _GenerationModel:
         return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
 
     def finalize(self) -> None:
-        if getattr(self, "load_gauges", None) is not None:
+        if self.load_gauges is not None:
             self.load_gauges.close()
         self.responses.close()
         self.pool.close()

@@ -86,7 +86,6 @@ class SlotPool:
         self.max_idle_slots = max_idle_slots or file_budget()
         self.idle_s = idle_s
         self.idle: dict[int, list[Slot]] = {}
-        self.idle_count = 0
         self.idle_bytes = 0
         self.busy: deque[Slot] = deque()
         self.count = 0
@@ -110,19 +109,18 @@ class SlotPool:
     def _to_idle(self, slot: Slot) -> None:
         """Keep a freed slot for the next blob of its size; idle slots of other sizes make room first
         (buffers.make_room), so the pool follows the workload instead of pinning yesterday's sizes."""
-        self.idle_bytes, fits = make_room(self.idle, slot.size, self.idle_bytes, self.max_idle, self._dropped)
+        self.idle_bytes, fits = make_room(self.idle, slot.size, self.idle_bytes, self.max_idle, self._destroy)
         if not fits or self.idle_count >= self.max_idle_slots:
             self._destroy(slot)
             return
         slot.idle_since = time.monotonic()
         self.idle.setdefault(slot.size, []).append(slot)
         self.idle_bytes += slot.size
-        self.idle_count += 1
 
-    def _dropped(self, slot: Slot) -> None:
-        """An idle slot make_room gave up (it already took the bytes off)."""
-        self.idle_count -= 1
-        self._destroy(slot)
+    @property
+    def idle_count(self) -> int:
+        """Idle slots (a handful of sizes: cheap to count)."""
+        return sum(len(slots) for slots in self.idle.values())
 
     def _destroy(self, slot: Slot) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -146,7 +144,6 @@ class SlotPool:
                     self.idle[size] = keep
                 else:
                     del self.idle[size]
-            self.idle_count -= gone
         return gone
 
     def take(self, size: int) -> Slot:
@@ -160,7 +157,6 @@ class SlotPool:
             free = self.idle.get(size)
             if free:
                 self.idle_bytes -= size
-                self.idle_count -= 1
                 slot = free.pop()
             else:
                 slot = self._create(size)
@@ -204,7 +200,7 @@ class SlotPool:
                 slot.arr = None
             self.busy.clear()
             self.idle.clear()
-            self.idle_count = self.idle_bytes = 0
+            self.idle_bytes = 0
             shutil.rmtree(self.dir, ignore_errors=True)  # linked blobs stay readable until released
             os.close(self.lock_fd)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rngd_pd.devices.base import Device, unavailable
+from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
 
@@ -34,7 +34,6 @@ NPU_NAMES = {"RBLN-CA02": "ATOM", "RBLN-CA12": "ATOM+", "RBLN-CA22": "ATOM+", "R
 ENV_TARGET = "RBLN_TARGET_SOC"  # compile for this NPU on a host without one
 ENV_CACHE = "RNGD_PD_ATOM_CACHE"
 DEFAULT_CACHE = Path.home() / ".cache" / "rngd-pd" / "atom"
-TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 InputInfo = list[tuple[str, list[int], str]]  # rebel's (name, shape, dtype) per graph input
 
 
@@ -51,33 +50,28 @@ def import_rebel() -> Any:
 def decode_input_info(config: Any, width: int, bucket: int, kv_dtype: str) -> InputInfo:
     """rebel's input_info for the decode graph of one (batch width, sequence bucket): the step's
     tokens and positions, then each layer's K and V cache [width, kv_heads, bucket, head_dim]."""
-    if kv_dtype not in TORCH_DTYPE_NAMES:
-        raise ConfigError(f"kv dtype {kv_dtype!r} is not one of {', '.join(TORCH_DTYPE_NAMES)}")
+    if kv_dtype not in TORCH_NAMES:
+        raise ConfigError(f"kv dtype {kv_dtype!r} is not one of {', '.join(TORCH_NAMES)}")
     cache = [width, config.num_kv_heads, bucket, config.head_dim]
     info = [("tokens", [width], "int64"), ("positions", [width], "int64")]
     for i in range(config.num_layers):
-        info += [(f"k{i}", cache, TORCH_DTYPE_NAMES[kv_dtype]), (f"v{i}", cache, TORCH_DTYPE_NAMES[kv_dtype])]
+        info += [(f"k{i}", cache, TORCH_NAMES[kv_dtype]), (f"v{i}", cache, TORCH_NAMES[kv_dtype])]
     return info
 
 
 def bucket_input_infos(config: Any, shapes: GraphShapes) -> list[InputInfo]:
     """One input_info list per decode shape, in the order given: rebel compiles one graph per list
     into one model and its runtime picks the graph by the inputs' shapes."""
-    kv = _name(shapes.kv_dtype)
+    kv = short_dtype(shapes.kv_dtype)
     return [decode_input_info(config, b, n, kv) for b, n in shapes.decode]
 
 
 def cache_key(fingerprint: str, shapes: GraphShapes, npu: str, sdk_version: str) -> str:
     """The artifact's name: the same graph, shapes, dtypes, NPU and SDK give the same compiled file."""
-    doc = {"model": fingerprint, "decode": sorted(shapes.decode), "dtype": _name(shapes.dtype),
-           "kv_dtype": _name(shapes.kv_dtype), "npu": npu, "sdk": sdk_version, "graph": "static-decode-1"}
+    doc = {"model": fingerprint, "decode": sorted(shapes.decode), "dtype": short_dtype(shapes.dtype),
+           "kv_dtype": short_dtype(shapes.kv_dtype), "npu": npu, "sdk": sdk_version,
+           "graph": "static-decode-1"}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _name(dtype: Any) -> str:
-    """A dtype name (bf16/fp16/fp32) from a name or a torch dtype."""
-    text = str(dtype).removeprefix("torch.")
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(text, text)
 
 
 def target_npu(rebel: Any, index: int) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rngd_pd.devices.base import Device, unavailable
+from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
 from rngd_pd.devices.npu import RNGD, cards
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
@@ -156,14 +156,6 @@ def check_card(device: Device, env: Mapping[str, str] | None = None) -> None:
         raise unavailable(missing, "install the FuriosaAI driver (furiosa-driver-rngd) on the host")
 
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "int64": "int64"}
-
-
-def _wire_dtype(dtype: Any) -> str:
-    text = str(dtype).removeprefix("torch.")
-    return {v: k for k, v in _DTYPES.items()}.get(text, text)
-
-
 def pack_message(header: dict[str, Any], tensors: Sequence[Any] = ()) -> bytes:
     """One worker message: u32 header length, the JSON header (with the tensors' dtype and
     shape), then each tensor's raw bytes (torch tensors; torch 2.13 and 2.10 share the layout)."""
@@ -173,7 +165,7 @@ def pack_message(header: dict[str, Any], tensors: Sequence[Any] = ()) -> bytes:
     for t in tensors:
         t = t.detach().contiguous().cpu()
         blobs.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        meta.append({"dtype": _wire_dtype(t.dtype), "shape": list(t.shape), "nbytes": len(blobs[-1])})
+        meta.append({"dtype": short_dtype(t.dtype), "shape": list(t.shape), "nbytes": len(blobs[-1])})
     head = json.dumps({**header, "tensors": meta}).encode()
     return struct.pack("<I", len(head)) + head + b"".join(blobs)
 
@@ -189,7 +181,7 @@ def read_message(stream: Any) -> tuple[dict[str, Any], list[Any]]:
     out = []
     for m in header.pop("tensors", []):
         buf = bytearray(stream.read(m["nbytes"]))
-        dtype = getattr(torch, _DTYPES.get(m["dtype"], m["dtype"]))
+        dtype = getattr(torch, TORCH_NAMES.get(m["dtype"], m["dtype"]))
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         out.append(flat.view(dtype).reshape(m["shape"]))
     return header, out
@@ -225,10 +217,10 @@ class RngdCache:
     def __init__(self, worker: _Worker, config: Any, num_slots: int, max_len: int, dtype: Any) -> None:
         self.worker, self.config = worker, config
         self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
-        header, _ = worker.call("new_cache", slots=num_slots, max_len=max_len, kv_dtype=_wire_dtype(dtype))
+        header, _ = worker.call("new_cache", slots=num_slots, max_len=max_len, kv_dtype=short_dtype(dtype))
         self.id = header["cache"]
         per = config.num_kv_heads * max_len * config.head_dim * 2 * config.num_layers * num_slots
-        self.nbytes = per * (4 if _wire_dtype(dtype) == "fp32" else 2)
+        self.nbytes = per * (4 if short_dtype(dtype) == "fp32" else 2)
 
     def load(self, slot: int, layer: int, k: Any, v: Any, start: int = 0) -> None:
         self.worker.call("load", [k, v], cache=self.id, slot=slot, layer=layer, start=start)
@@ -250,14 +242,14 @@ class RngdRuntime:
             raise unavailable(f"RngdRuntime cannot run on {device.kind!r}", "use device rngd")
         check_card(device, env)  # raises here, on every host without a card and its driver
         self.device, self.loaded = device, loaded  # pragma: no cover - from here on: hardware only
-        dtype = _wire_dtype(loaded.model.dtype)
+        dtype = short_dtype(loaded.model.dtype)
         self.worker = _Worker(require_rngd_python(env), device, loaded.source, dtype)
         self.chunks: tuple[int, ...] = ()
 
     def prepare(self, shapes: GraphShapes) -> None:  # pragma: no cover - hardware only
         header, _ = self.worker.call("prepare", chunks=list(shapes.prefill_chunks),
                                      decode=[list(d) for d in shapes.decode],
-                                     kv_dtype=_wire_dtype(shapes.kv_dtype))
+                                     kv_dtype=short_dtype(shapes.kv_dtype))
         failed = [r for r in header.get("rows", []) if not r.get("ok")]
         if failed:
             r = failed[0]
@@ -290,7 +282,7 @@ class RngdRuntime:
             raise ConfigError("the RNGD prefill graph takes no past yet (one chunk per prompt)")
         if t not in self.chunks:
             raise ConfigError(f"no RNGD prefill graph for {t} tokens (compiled: {list(self.chunks)})")
-        _, out = self.worker.call("prefill", [tokens], kv_dtype=_wire_dtype(kv_dtype))
+        _, out = self.worker.call("prefill", [tokens], kv_dtype=short_dtype(kv_dtype))
         kv = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range((len(out) - 1) // 2)]
         if on_layer is not None:
             for i, (k, v) in enumerate(kv):

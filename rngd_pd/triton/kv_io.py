@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from rngd_pd import errors
+from rngd_pd.devices.torch_runtime import torch_dtype
 from rngd_pd.kv.buffers import DEFAULT_CHECKSUM, as_bytes, checksum
 from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
 from rngd_pd.kv.protocol import flush
 
 ENV_DEBUG_LOG = "RNGD_PD_KV_DEBUG_LOG"
 HANDLE_MAX_BYTES = 1 << 20
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _log_lock = threading.Lock()
 
 
@@ -139,7 +139,7 @@ class KVReceiver:
         """Every layer's K and V into `cache` slot `slot` at positions [0, prompt_len); returns the
         validated handle (its first token is the request's first)."""
         s = self.spec
-        dtype = TORCH_DTYPES[s.dtype]
+        dtype = torch_dtype(s.dtype)
         shape = (s.num_kv_heads, prompt_len, s.head_dim)
         expected = s.num_kv_heads * prompt_len * s.head_dim * dtype.itemsize
         staging = self._buffer(expected)

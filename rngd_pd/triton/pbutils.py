@@ -8,6 +8,7 @@ still works (tests, tooling); calling a helper that needs Triton raises a Runtim
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -54,8 +55,6 @@ def _decode(value: Any) -> Any:
 
 def request_parameter(request: Any, name: str) -> str | None:
     """A request parameter's value as a string (Triton gives them as one JSON object), or None."""
-    import json
-
     try:
         value = json.loads(request.parameters() or "{}").get(name)
     except (ValueError, AttributeError):

@@ -268,6 +268,19 @@ def test_metrics_show_the_airm_families_after_traffic(server) -> None:
     assert _metric(server, 'airm_ttft_p90_ms{model="pd"}') > 0
 
 
+def test_a_repeated_prefix_is_reused_by_prefill_with_the_same_tokens(server) -> None:
+    """The second request shares the first one's prompt but its last words: prefill computes only
+    those (the hit counter grows by the shared blocks) and the tokens equal the colocated engine's."""
+    shared = " ".join(E.PROMPTS) + " Answer each of these in order, briefly, and number the answers:"
+    before = _metric(server, 'rngd_pd_prefix_cache_hits_total{model="prefill"}')
+    for tail in (" one.", " two, please."):
+        ids, _, reason = E.reference(shared + tail)
+        got = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(E.prompt_ids(shared + tail)), PD_OUT)
+        assert E.ids_of(got) == list(ids) and E.reason_of(got) == reason
+    assert _metric(server, 'rngd_pd_prefix_cache_hits_total{model="prefill"}') - before >= 32
+    assert 0 < _metric(server, 'rngd_pd_prefix_cache_hit_rate{model="prefill"}') <= 1
+
+
 def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[str, str]) -> None:
     """Regressions: a cancelled request kept pd busy for 30 s (its decode stream's last response never
     came back), finished BLS streams still held at pd's exit hung its unload, and an llm request that

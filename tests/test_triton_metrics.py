@@ -11,12 +11,17 @@ class RecordingSink:
     def __init__(self) -> None:
         self.gauges: dict[tuple, float] = {}
         self.observed: list[tuple] = []
+        self.counters: dict[tuple, float] = {}
 
     def set_gauge(self, name: str, labels: dict, value: float) -> None:
         self.gauges[(name, tuple(sorted(labels.items())))] = value
 
     def observe(self, name: str, labels: dict, value: float) -> None:
         self.observed.append((name, labels.get("kv_transport"), value))
+
+    def increment(self, name: str, labels: dict, value: float) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        self.counters[key] = self.counters.get(key, 0) + value
 
 
 def test_percentile() -> None:
@@ -81,3 +86,20 @@ def test_load_gauges_are_one_unlabelled_series_each_and_clamped() -> None:
     gauges.publish()
     assert sink.gauges[(metrics.KV_USAGE, ())] == 0.125 and len(sink.gauges) == 3
     assert metrics.load_gauges("pd", lambda: metrics.Load(0, 0), sink, {"RNGD_PD_ROLE": "all"}) is None
+
+
+def test_prefix_and_prefill_path_counters() -> None:
+    sink = RecordingSink()
+    m = metrics.ServingMetrics("prefill", sink)
+    m.record_prefix(100, 0)
+    m.record_prefix(100, 96)
+    labels = (("model", "prefill"),)
+    assert sink.counters[(metrics.PREFIX_QUERIES, labels)] == 200
+    assert sink.counters[(metrics.PREFIX_HITS, labels)] == 96
+    assert sink.gauges[(metrics.PREFIX_HIT_RATE, labels)] == pytest.approx(0.48)
+    assert m.snapshot()[metrics.PREFIX_HIT_RATE] == pytest.approx(0.48)
+    m.record_prefill_path(local=True)
+    m.record_prefill_path(local=False)
+    m.record_prefill_path(local=True)
+    assert sink.counters[(metrics.PREFILL_PATH, (("model", "prefill"), ("path", "local")))] == 2
+    assert sink.counters[(metrics.PREFILL_PATH, (("model", "prefill"), ("path", "remote")))] == 1

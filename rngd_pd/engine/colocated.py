@@ -34,11 +34,16 @@ class ColocatedEngine:
         chunk_size: int | None = 512,
         max_queue: int = 64,
         buckets: Sequence[int] | Mapping[int, int] | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block: int = 32,
     ) -> None:
+        """prefix_cache_bytes: memory for the KV of prompt prefixes reused across requests (0 = off),
+        in blocks of prefix_block tokens."""
         self.runtime = as_runtime(loaded)
         self.loaded = loaded = self.runtime.loaded
         max_len = min(max_len or loaded.config.max_context, loaded.config.max_context)
-        self.prefill_engine = PrefillEngine(self.runtime, kv_dtype, chunk_size, max_context=max_len)
+        self.prefill_engine = PrefillEngine(self.runtime, kv_dtype, chunk_size, max_context=max_len,
+                                            prefix_cache_bytes=prefix_cache_bytes, prefix_block=prefix_block)
         self.decode_engine = DecodeEngine(self.runtime, num_slots, max_len, kv_dtype, max_queue, buckets)
         self.decode_engine.start()
         # one prefill at a time: concurrent prefills only fight over the same

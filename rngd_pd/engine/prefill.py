@@ -5,6 +5,10 @@ the earlier chunks built (`Llama.prefill(past=...)`), so one long prompt costs b
 memory. The prompt's KV is assembled in one buffer per layer; `on_layer(i, K, V)` receives layer i's
 complete K/V as soon as the last chunk has computed it, so a transport pushes layer i while layers
 i+1.. are still running.
+
+With a prefix cache (`rngd_pd.engine.prefix`), the longest cached block-aligned prefix of the prompt
+is copied in instead of computed and only the rest runs, as a chunk after that past; `on_layer` still
+gets the whole prompt's K/V.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, as_runtime
+from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.sampling import Sampler, SamplingParams
@@ -34,7 +39,11 @@ class PrefillEngine:
         kv_dtype: Any = "bf16",
         chunk_size: int | None = 512,
         max_context: int | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block: int = 32,
     ) -> None:
+        """prefix_cache_bytes: memory for reused prefixes' KV (0 = no prefix reuse), in blocks of
+        prefix_block tokens."""
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1 (or None for whole prompts), got {chunk_size}")
         self.runtime = as_runtime(loaded)
@@ -44,9 +53,16 @@ class PrefillEngine:
         self.chunk_size = chunk_size
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         self.runtime.prepare(GraphShapes(prefill_chunks=(chunk_size or self.max_context,)))
+        c = self.config
+        self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,
+                                        self.kv_dtype, prefix_cache_bytes, prefix_block) \
+            if prefix_cache_bytes > 0 else None
 
     def validate(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> Any:
         """Check the request and return its tokens as the device's int64 [T]; raises before any compute."""
+        return self.runtime.tokens(self._ids(key, token_ids, params))
+
+    def _ids(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> np.ndarray:
         check_request(len(token_ids), params, self.max_context, key=key)
         try:
             ids = np.asarray(list(token_ids))
@@ -59,7 +75,7 @@ class PrefillEngine:
         bad = (ids < 0) | (ids >= vocab)
         if bad.any():
             raise ConfigError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab})", key=key)
-        return self.runtime.tokens(ids)
+        return ids
 
     def prefill(
         self,
@@ -77,25 +93,35 @@ class PrefillEngine:
         chunk; it may push to a transport but must not keep mutating the tensors. An exception from
         on_layer aborts the prefill.
         """
-        tokens = self.validate(key, token_ids, params)
+        ids = self._ids(key, token_ids, params)
+        tokens = self.runtime.tokens(ids)
         chunk = self.chunk_size if chunk_size == -1 else chunk_size
+        cache = self.prefix_cache
         with self.runtime.inference():
-            if chunk is None or len(tokens) <= chunk:
+            cached, blocks = cache.match(ids) if cache is not None else (0, [])
+            if not cached and (chunk is None or len(tokens) <= chunk):
                 logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
             else:
-                logits, kv = self._chunked(tokens, chunk, on_layer)
+                logits, kv = self._chunked(tokens, chunk or len(tokens), on_layer, cached, blocks)
             first = Sampler(params).sample(logits)
-        return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv)
+            if cache is not None:
+                cache.insert(ids, kv, cached)
+        return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv, cached_tokens=cached)
 
-    def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None) -> tuple[Any, KVList]:
+    def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None, cached: int = 0,
+                 blocks: Sequence[Any] = ()) -> tuple[Any, KVList]:
+        """Chunks of `chunk` tokens after the first `cached` ones, which come from the prefix cache."""
         cfg, total = self.config, len(tokens)
         shape = (cfg.num_kv_heads, total, cfg.head_dim)
         kv = [
             (self.runtime.empty(shape, self.kv_dtype), self.runtime.empty(shape, self.kv_dtype))
             for _ in range(cfg.num_layers)
         ]
+        if cached:
+            assert self.prefix_cache is not None
+            self.prefix_cache.fill(blocks, kv)
         logits = None
-        for start in range(0, total, chunk):
+        for start in range(cached, total, chunk):
             end = min(start + chunk, total)
             last = end == total
 

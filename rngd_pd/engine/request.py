@@ -36,6 +36,7 @@ class PrefillResult:
     first_token: int
     num_tokens: int
     kv: list[tuple[Any, Any]]  # per layer (K, V) [kv_heads, num_tokens, head_dim], on the device
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
 
 
 @dataclass

@@ -19,6 +19,14 @@ per name and no labels (the EPP config's `engineConfigs` entry names them; deplo
 * `rngd_pd_kv_cache_usage_ratio`  0..1: decode slots holding a request's KV over all slots (the
   static cache's allocation unit; 1.0 = the next request waits)
 
+Prefix reuse and conditional disaggregation (issue 13), counters in tokens and requests:
+
+* `rngd_pd_prefix_cache_queries_total` / `rngd_pd_prefix_cache_hits_total`  prompt tokens looked up
+  in the prefill instances' prefix caches / served from them (vLLM's pair; hit rate = hits / queries)
+* `rngd_pd_prefix_cache_hit_rate`  the same ratio since start, per model, for a glance
+* `rngd_pd_prefill_requests_total{path=remote|local}`  pd's requests prefilled by the prefill model
+  (the hand-off) or by the decode instance itself (short prompts, no hand-off)
+
 Exactly one model per server publishes them, by the server's role (`RNGD_PD_ROLE`, set by
 `rngd-pd serve --role`; plain tritonserver = all): decode where decode runs (all, decode), pd on a
 gateway (its own queue; the KV lives on the decode servers: 0), prefill on a prefill server (its
@@ -66,6 +74,16 @@ LOAD_GAUGES: dict[str, str] = {
     REQUESTS_RUNNING: "requests being served (for the endpoint picker)",
     KV_USAGE: "fraction 0..1 of decode KV slots in use (for the endpoint picker)",
 }
+PREFIX_QUERIES = "rngd_pd_prefix_cache_queries_total"
+PREFIX_HITS = "rngd_pd_prefix_cache_hits_total"
+PREFIX_HIT_RATE = "rngd_pd_prefix_cache_hit_rate"
+PREFILL_PATH = "rngd_pd_prefill_requests_total"
+COUNTERS: dict[str, str] = {
+    PREFIX_QUERIES: "prompt tokens looked up in the prefix cache",
+    PREFIX_HITS: "prompt tokens whose KV came from the prefix cache (not computed)",
+    PREFILL_PATH: "requests by where their prompt was prefilled: remote (hand-off) or local (decode)",
+}
+GAUGES[PREFIX_HIT_RATE] = "prefix cache hits over queries (tokens) since start"
 LOAD_PUBLISHER = {"all": "decode", "decode": "decode", "gateway": "pd", "prefill": "prefill"}
 BUCKETS: dict[str, list[float]] = {
     TTFT_HIST: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
@@ -144,6 +162,7 @@ class Sink(Protocol):
 
     def set_gauge(self, name: str, labels: dict[str, str], value: float) -> None: ...
     def observe(self, name: str, labels: dict[str, str], value: float) -> None: ...
+    def increment(self, name: str, labels: dict[str, str], value: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,7 @@ class ServingMetrics:
         self._requests: deque[_Request] = deque(maxlen=window)
         self._kv: dict[str, deque[float]] = {}
         self._window = window
+        self._prefix = [0, 0]  # tokens queried, hit
 
     def record_request(self, ttft_s: float, output_tokens: int, total_s: float,
                        end: float | None = None) -> None:
@@ -188,6 +208,22 @@ class ServingMetrics:
                 self.sink.set_gauge(KV_TRANSFER, labels, percentile(window, 50) * 1e3)
                 self.sink.observe(KV_HIST, labels, seconds)
 
+    def record_prefix(self, queried_tokens: int, hit_tokens: int) -> None:
+        """One prefill's prefix cache lookup (prompt tokens, tokens reused)."""
+        with self._lock:
+            self._prefix[0] += queried_tokens
+            self._prefix[1] += hit_tokens
+            if self.sink is not None:
+                self.sink.increment(PREFIX_QUERIES, self.labels, queried_tokens)
+                self.sink.increment(PREFIX_HITS, self.labels, hit_tokens)
+                self.sink.set_gauge(PREFIX_HIT_RATE, self.labels, self._prefix[1] / max(1, self._prefix[0]))
+
+    def record_prefill_path(self, local: bool) -> None:
+        """Where one request's prompt was prefilled (conditional disaggregation)."""
+        with self._lock:
+            if self.sink is not None:
+                self.sink.increment(PREFILL_PATH, {**self.labels, "path": "local" if local else "remote"}, 1)
+
     def close(self) -> None:
         """Drop the sink's Triton metric objects; call from the model's `finalize` (the stub crashes
         when they are freed at interpreter exit, after its shared memory is gone)."""
@@ -205,6 +241,7 @@ class ServingMetrics:
                 TOK_S: self._tok_s(),
                 KV_TRANSFER: {name: percentile(w, 50) * 1e3 for name, w in self._kv.items()},
                 "requests": len(self._requests),
+                PREFIX_HIT_RATE: self._prefix[1] / max(1, self._prefix[0]),
             }
 
     def _tok_s(self) -> float:
@@ -243,8 +280,9 @@ class TritonSink:
 
             family = self._families.get(name)
             if family is None:
-                kind = "HISTOGRAM" if name in HISTOGRAMS else "GAUGE"
-                family = pbutils.metric_family(name, {**GAUGES, **LOAD_GAUGES, **HISTOGRAMS}[name], kind)
+                kind = "HISTOGRAM" if name in HISTOGRAMS else "COUNTER" if name in COUNTERS else "GAUGE"
+                described = {**GAUGES, **LOAD_GAUGES, **HISTOGRAMS, **COUNTERS}
+                family = pbutils.metric_family(name, described[name], kind)
                 self._families[name] = family
             extra = {"buckets": BUCKETS[name]} if name in HISTOGRAMS else {}
             metric = self._metrics[key] = family.Metric(labels=labels, **extra)
@@ -255,6 +293,10 @@ class TritonSink:
 
     def observe(self, name: str, labels: dict[str, str], value: float) -> None:
         self._metric(name, labels).observe(float(value))
+
+    def increment(self, name: str, labels: dict[str, str], value: float) -> None:
+        if value:
+            self._metric(name, labels).increment(float(value))
 
     def close(self) -> None:
         self._metrics.clear()

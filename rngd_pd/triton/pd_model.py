@@ -153,7 +153,7 @@ class ColocatedModel(_GenerationModel):
 
         p = model_params(ColocatedParams, args)
         self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, p.kv_dtype,
-                                      p.chunk_size or None)
+                                      p.chunk_size or None, **p.prefix_kwargs())
         self._init_serving(args, p.max_inflight, p.max_queue)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],

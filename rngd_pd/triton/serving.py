@@ -21,7 +21,18 @@ from rngd_pd.triton.params import (
 
 
 @dataclass(frozen=True)
-class PrefillParams(ServingParams):
+class PrefixParams:
+    """Prefix reuse (rngd_pd.engine.prefix), in every model that prefills."""
+
+    prefix_cache_mb: int = param(512, help="host memory for reused prompt prefixes' KV (0 = no reuse)")
+    prefix_block: int = param(32, help="tokens per prefix cache block (prefixes are reused in whole blocks)")
+
+    def prefix_kwargs(self) -> dict[str, int]:
+        return {"prefix_cache_bytes": max(0, self.prefix_cache_mb) << 20, "prefix_block": self.prefix_block}
+
+
+@dataclass(frozen=True)
+class PrefillParams(PrefixParams, ServingParams):
     chunk_size: int = param(512, help="prefill long prompts in chunks of this many tokens (0 = whole)")
     max_len: int = param(4096, help="longest prompt + max_tokens accepted")
 
@@ -37,7 +48,7 @@ class DecodeParams(ServingParams):
 
 
 @dataclass(frozen=True)
-class ColocatedParams(ServingParams):
+class ColocatedParams(PrefixParams, ServingParams):
     num_slots: int = param(8, help="concurrent decode streams per instance")
     max_len: int = param(4096, help="longest prompt + max_tokens")
     chunk_size: int = param(512, help="prefill chunk (0 = whole prompt)")

@@ -20,6 +20,7 @@ SYSTEMS: dict[str, str] = {
     "hf": "HF generate",
     "hf-cb": "HF cont. batching",
     "llamacpp": "llama.cpp",
+    "vllm": "vLLM CPU",
 }
 METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "slo_share")
 
@@ -35,6 +36,20 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "mean_output_tokens": ("mean_output_tokens",),
     "errors": ("errors", "failed"),
 }
+
+
+def served(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The load generator's rows (the main tables); aiperf's rows have client=aiperf."""
+    return [r for r in rows if r.get("client", "load_gen") != "aiperf"]
+
+
+def fixed_workloads(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Fixed-shape workloads present: `fixed`, `fixed-256x64`, ... (by prompt length)."""
+    names = {r["workload"] for r in rows if str(r.get("workload", "")).startswith("fixed")}
+    return sorted(
+        names,
+        key=lambda n: [int(x) if x.isdigit() else 0 for x in n.replace("fixed", "").strip("-").split("x")],
+    )
 
 
 def normalise(raw: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -153,7 +168,7 @@ def targets(
     out.append(
         {"target": "PD TPOT p99 (mixed trace) <= colocated's", "value": pd_p99, "goal": co_p99, "met": ok}
     )
-    for peer in ("hf", "hf-cb", "llamacpp"):
+    for peer in ("hf", "hf-cb", "llamacpp", "vllm"):
         theirs = tok(peer, 16)
         if theirs is None and not any(r["system"] == peer for r in rows):
             continue
@@ -176,15 +191,35 @@ def targets_text(ts: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def plot(rows: Sequence[dict[str, Any]], path: Path, workload: str = "fixed", mixed: str = "mixed") -> Path:
-    """PNG: aggregate output tok/s against TPOT p99, one line per system over concurrency (mixed: X)."""
+def plot(
+    rows: Sequence[dict[str, Any]], path: Path, workload: str | None = None, mixed: str = "mixed"
+) -> Path:
+    """PNG: aggregate output tok/s against TPOT p99, one line per system over concurrency (mixed: X).
+
+    One panel per fixed-shape workload (`fixed-256x64`, `fixed-512x128`, ...), or only `workload`.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for i, s in enumerate(system_order(rows)):
+    rows = served(rows)
+    names = [workload] if workload else (fixed_workloads(rows) or ["fixed"])
+    fig, axes = plt.subplots(1, len(names), figsize=(7.5 * len(names), 5), squeeze=False)
+    systems = system_order(rows)
+    for ax, name in zip(axes[0], names, strict=True):
+        _panel(ax, rows, systems, name, mixed if name == names[0] else None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _panel(
+    ax: Any, rows: Sequence[dict[str, Any]], systems: list[str], workload: str, mixed: str | None
+) -> None:
+    for i, s in enumerate(systems):
         color = f"C{i}"
         pts = sorted(
             (
@@ -213,7 +248,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, workload: str = "fixed", mi
                     textcoords="offset points",
                     xytext=(3, 3),
                 )
-        m = _get(rows, s, mixed, None)
+        m = _get(rows, s, mixed, None) if mixed else None
         if m and m.get("tpot_p99_ms") and m.get("output_tok_s"):
             ax.plot(
                 [m["tpot_p99_ms"]],
@@ -226,26 +261,162 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, workload: str = "fixed", mi
     ax.set_xscale("log")
     ax.set_xlabel("TPOT p99 (ms, log)")
     ax.set_ylabel("aggregate output tokens/s")
-    ax.set_title("throughput against TPOT p99 (labels: concurrent streams)")
+    shape = workload.replace("fixed-", "").replace("x", " / ") + " tokens, " if workload != "fixed" else ""
+    ax.set_title(f"{shape}throughput against TPOT p99 (labels: concurrent streams)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+
+
+# Issue 13's judged ratios: (metric, concurrency, goal on pd / peer, True when higher is better).
+ISSUE13_CHECKS: tuple[tuple[str, int, float, bool], ...] = (
+    ("output_tok_s", 8, 1.5, True),
+    ("output_tok_s", 16, 1.5, True),
+    ("ttft_p50_ms", 1, 1.0, False),
+    ("tpot_p99_ms", 16, 1.0, False),
+)
+
+
+def issue13(rows: Sequence[dict[str, Any]], peer: str = "vllm", base: str = "pd") -> list[dict[str, Any]]:
+    """Issue 13's ratios per fixed workload: base / peer for tok/s at 8 and 16, TTFT p50 at 1, TPOT p99 at 16.
+
+    Goals: tok/s ratio >= 1.5; TTFT and TPOT ratios <= 1 (base no slower). `met` is None when a side
+    was not measured. colocated's value is carried along for context.
+    """
+    rows = served(rows)
+    out = []
+    for wl in fixed_workloads(rows):
+        for metric, c, goal, higher in ISSUE13_CHECKS:
+            ours = (_get(rows, base, wl, c) or {}).get(metric)
+            theirs = (_get(rows, peer, wl, c) or {}).get(metric)
+            colo = (_get(rows, "colocated", wl, c) or {}).get(metric)
+            ratio = round(ours / theirs, 3) if ours and theirs else None
+            met = None if ratio is None else (ratio >= goal if higher else ratio <= goal)
+            out.append(
+                {
+                    "workload": wl,
+                    "metric": metric,
+                    "concurrency": c,
+                    base: ours,
+                    peer: theirs,
+                    "colocated": colo,
+                    "ratio": ratio,
+                    "goal": f"{'>=' if higher else '<='} {goal:g}",
+                    "met": met,
+                }
+            )
+    return out
+
+
+def issue13_text(checks: Sequence[dict[str, Any]], peer: str = "vllm", base: str = "pd") -> str:
+    word = {True: "MET", False: "NOT MET", None: "not measured"}
+    body = [
+        [
+            c["workload"],
+            c["metric"],
+            str(c["concurrency"]),
+            _fmt(c.get(base)),
+            _fmt(c.get(peer)),
+            _fmt(c.get("colocated")),
+            _fmt(c["ratio"], 3),
+            c["goal"],
+            word[c["met"]],
+        ]
+        for c in checks
+    ]
+    header = [
+        "workload",
+        "metric",
+        "conc",
+        label(base),
+        label(peer),
+        "colocated",
+        f"{label(base)}/{label(peer)}",
+        "goal",
+        "",
+    ]
+    return f"issue 13: {label(base)} against {label(peer)}\n" + _grid(header, body)
+
+
+AIPERF_FIELDS = (
+    "output_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "mean_output_tokens",
+)
+
+
+def aiperf_compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each aiperf row next to the load generator's row of the same point, and aiperf / load_gen."""
+    ours = served(rows)
+    out = []
+    for r in rows:
+        if r.get("client") != "aiperf":
+            continue
+        lg = _get(ours, r["system"], r["workload"], r.get("concurrency")) or {}
+        entry: dict[str, Any] = {
+            "system": r["system"],
+            "workload": r["workload"],
+            "concurrency": r.get("concurrency"),
+            "note": r.get("note", ""),
+        }
+        for f in AIPERF_FIELDS:
+            a, b = r.get(f), lg.get(f)
+            entry[f] = {"aiperf": a, "load_gen": b, "ratio": round(a / b, 3) if a and b else None}
+        out.append(entry)
+    return out
+
+
+def aiperf_text(entries: Sequence[dict[str, Any]]) -> str:
+    body = []
+    for e in entries:
+        for client in ("load_gen", "aiperf"):
+            body.append(
+                [
+                    label(e["system"]),
+                    e["workload"],
+                    _fmt(e["concurrency"]),
+                    client,
+                    *(_fmt(e[f][client]) for f in AIPERF_FIELDS),
+                    e["note"] if client == "aiperf" else "",
+                ]
+            )
+        body.append(["", "", "", "aiperf/load_gen", *(_fmt(e[f]["ratio"], 3) for f in AIPERF_FIELDS), ""])
+    header = ["system", "workload", "conc", "client", *AIPERF_FIELDS, "note"]
+    return "the same point through two clients (aiperf's TPOT = its inter-token latency)\n" + _grid(
+        header, body
+    )
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What report.json holds: issue 13's ratios, aiperf next to load_gen, the targets, the rows (no raw)."""
+    return {
+        "issue13": issue13(rows),
+        "aiperf": aiperf_compare(rows),
+        "targets": targets(served(rows)),
+        "rows": [{k: v for k, v in r.items() if k != "raw"} for r in rows],
+    }
 
 
 def report(rows: Sequence[dict[str, Any]]) -> str:
-    """The full text report: metrics, ratios of tok/s and TPOT p99, and the targets."""
+    """The full text report: metrics, ratios of tok/s and TPOT p99, the targets, issue 13, aiperf."""
+    ours = served(rows)
     parts = [
-        metrics_table(rows),
+        metrics_table(ours),
         "",
-        ratio_table(rows, "output_tok_s"),
+        ratio_table(ours, "output_tok_s"),
         "",
-        ratio_table(rows, "tpot_p99_ms"),
+        ratio_table(ours, "ttft_p50_ms"),
+        "",
+        ratio_table(ours, "tpot_p99_ms"),
         "",
         "targets",
-        targets_text(targets(rows)),
+        targets_text(targets(ours)),
     ]
+    if any(r["system"] == "vllm" for r in ours):
+        parts += ["", issue13_text(issue13(ours))]
+    entries = aiperf_compare(rows)
+    if entries:
+        parts += ["", aiperf_text(entries)]
     return "\n".join(parts)

@@ -123,7 +123,7 @@ def test_grid_and_quick_mode(tmp_path: Path) -> None:
 
 def test_unknown_system_is_refused() -> None:
     with pytest.raises(SystemExit):
-        sweep.parse_args(["--systems", "pd,vllm"])
+        sweep.parse_args(["--systems", "pd,tgi"])
 
 
 def test_load_gen_argv_for_fixed_and_trace_points(tmp_path: Path) -> None:

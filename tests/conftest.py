@@ -10,6 +10,10 @@ import pytest
 # the references they are compared with (ColocatedEngine in-process, transformers) are fp32, and greedy
 # tokens must be equal.
 os.environ.setdefault("RNGD_PD_DTYPE", "fp32")
+# Servers that tests start hand every prompt off (the tests' prompts are short, and decode would
+# prefill them itself): the transport is what most e2e tests check. test_e2e_local_prefill turns
+# conditional disaggregation on.
+os.environ.setdefault("RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,10 @@ class FakeModels:
 
     def __init__(self, first: int = 7, tokens: tuple[int, ...] = (8, 9, 10), reason: str = "length",
                  prefill_error: Exception | None = None, decode_error: Exception | None = None,
-                 hold: threading.Event | None = None) -> None:
+                 hold: threading.Event | None = None, local_tokens: int | None = 0) -> None:
         self.first, self.tokens, self.reason = first, tokens, reason
+        self.local_tokens = local_tokens  # what decode answers to `describe` (None: it fails)
+        self.described = 0
         self.prefill_error, self.decode_error, self.hold = prefill_error, decode_error, hold
         self.prefilled = threading.Event()
         self.calls: list[tuple[str, dict]] = []
@@ -46,8 +48,18 @@ class FakeModels:
             self.aborted.append(key)
             yield {T.FINISH_REASON: np.array([b"cancelled"], dtype=np.object_)}
             return
+        if T.DESCRIBE in inputs:
+            self.described += 1
+            if self.local_tokens is None:
+                raise errors.ConfigError("unknown input 'describe'")
+            yield {T.LOCAL_PREFILL_TOKENS: np.array([self.local_tokens], np.int32)}
+            return
         self.calls.append((model, dict(inputs)))
-        self.prefilled.wait(5)
+        if T.INPUT_IDS in inputs:  # decode prefills it: its stream starts with the first token
+            yield {T.OUTPUT_IDS: np.array([self.first], np.int32),
+                   T.FINISH_REASON: np.array([b""], dtype=np.object_)}
+        else:
+            self.prefilled.wait(5)
         if self.decode_error is not None:
             raise self.decode_error
         for i, tok in enumerate(self.tokens):
@@ -75,6 +87,36 @@ def test_streams_the_first_token_from_prefill_then_decodes_tokens() -> None:
     (decode_call,) = [c for m, c in models.calls if m == "decode"]
     assert int(decode_call[T.PROMPT_LEN][0]) == 3 and int(decode_call[T.MAX_TOKENS][0]) == 4
     assert models.aborted == []
+
+
+def test_a_short_prompt_is_prefilled_by_decode_without_a_prefill_call() -> None:
+    models = FakeModels(local_tokens=3)
+    chunks, stats = _run(models)
+    assert [c.token_ids for c in chunks] == [[7], [8], [9], [10]] and stats.local_prefill
+    assert [m for m, _ in models.calls] == ["decode"]
+    (decode_call,) = [c for _, c in models.calls]
+    assert decode_call[T.INPUT_IDS].tolist() == [1, 2, 3] and stats.first_token_at >= stats.start
+    models = FakeModels(local_tokens=2)  # the prompt is longer: handed off
+    chunks, stats = _run(models)
+    assert [m for m, _ in models.calls] == ["prefill", "decode"] and not stats.local_prefill
+    assert T.INPUT_IDS not in models.calls[1][1]
+
+
+def test_the_local_prefill_length_is_asked_once_and_can_be_turned_off() -> None:
+    models = FakeModels(local_tokens=100)
+    orch = Orchestrator(models, models)
+    for _ in range(3):
+        assert orch.run([1, 2], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
+    assert models.described == 1
+    silent = FakeModels(local_tokens=None)  # an older decode: everything is handed off, asked again later
+    orch = Orchestrator(silent, silent)
+    assert not orch.run([1, 2], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
+    assert not orch.run([1, 2], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
+    assert silent.described == 1
+    off = FakeModels(local_tokens=100)
+    assert not Orchestrator(off, off, local_prefill_tokens=0).run(
+        [1], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
+    assert off.described == 0
 
 
 def test_context_ids_are_capped() -> None:

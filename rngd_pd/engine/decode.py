@@ -79,7 +79,7 @@ class _Bucket:
     """One preallocated KVCache of `slots` sequences of up to `max_len` tokens, plus step buffers."""
 
     def __init__(self, runtime: DeviceRuntime, slots: int, max_len: int, dtype: Any) -> None:
-        self.max_len = max_len
+        self.max_len, self.slots = max_len, slots
         self.cache = runtime.new_cache(slots, max_len, dtype)
         self.free = list(range(slots))  # a heap: the lowest free slot first, so active slots stay
         # mostly contiguous and the step reads the cache as one view instead of a gather
@@ -243,6 +243,23 @@ class DecodeEngine:
         with self._lock:
             entry = self._requests.get(key)
             return key in self._tombstones or (entry is not None and entry.cancel_asked)
+
+    def time_step(self, repeat: int = 5, position: int = 64) -> float:
+        """Median seconds of one decode step over every slot of the first bucket, each at `position`
+        (calibration; only before start(): it writes scratch K/V that requests overwrite)."""
+        if self._running:
+            raise RngdPdError("time_step measures an idle engine; call it before start()")
+        b = self.buckets[0]
+        rows = b.slots
+        b._np[:, :rows] = [[1] * rows, [min(position, b.max_len - 1)] * rows, list(range(rows))]
+        times = []
+        with self.runtime.inference():
+            for i in range(repeat + 1):  # the first one warms up
+                t0 = time.perf_counter()
+                self.runtime.decode_step(b._t[0, :rows], b._t[1, :rows], b.cache, b._t[2, :rows])
+                if i:
+                    times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
 
     def stats(self) -> dict:
         with self._lock:

@@ -6,6 +6,10 @@ prefill), then the handle with the first token, validates all of it and releases
 transport. The stream carries the tokens after the first one (pd already has the first from prefill)
 and ends with the finish reason. It never recomputes the prompt.
 
+A request that brings its `input_ids` is prefilled here instead (conditional disaggregation: pd sends
+prompts up to `local_prefill_tokens` long this way, which it learns once with `describe=true`); its
+stream then starts with the first token. rngd_pd.engine.local_prefill says how the length is measured.
+
 A request with `cancel=true` stops the key instead: the engine frees the slot, a KV wait is abandoned,
 the KV is released; keys cancelled before their start request arrives are remembered for a while.
 """
@@ -38,9 +42,15 @@ class DecodeService:
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", num_slots: int = 8,
                  max_len: int = 4096, max_queue: int = 64, kv_timeout_s: float = 60.0,
-                 on_kv: Callable[[float], None] | None = None) -> None:
+                 on_kv: Callable[[float], None] | None = None, local_prefill_tokens: int = 0) -> None:
+        """local_prefill_tokens: the prompt length up to which pd should send prompts here to be
+        prefilled locally (-1: measure it now, rngd_pd.engine.local_prefill; 0: never)."""
+        import threading
+
         from rngd_pd.devices.runtime import as_runtime
         from rngd_pd.engine.decode import DecodeEngine
+        from rngd_pd.engine.local_prefill import Threshold, measure
+        from rngd_pd.engine.prefill import PrefillEngine
 
         runtime = as_runtime(loaded)  # serving.load_for's DeviceRuntime, or a LoadedModel for the CPU
         loaded = runtime.loaded
@@ -50,14 +60,25 @@ class DecodeService:
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
         self.engine = DecodeEngine(runtime, num_slots, max_len, kv_dtype, max_queue,
                                    loader_threads=num_slots)
+        self.local = PrefillEngine(runtime, kv_dtype, chunk_size=512, max_context=self.engine.max_len)
+        self._local_lock = threading.Lock()  # one local prefill at a time: they share the cores
+        self.threshold = (measure(self.local, self.engine) if local_prefill_tokens < 0 else
+                          Threshold(local_prefill_tokens, "set by local_prefill_tokens"))
         self.engine.start()
         self.on_kv = on_kv  # gets each request's KV wait + transfer seconds (metrics)
 
-    def start(self, key: str, prompt_len: int, params: SamplingParams, emit: Emit) -> None:
-        """Begin one request; raises ConfigError/ContextLengthError/CapacityError/RequestCancelled
-        before anything runs."""
-        request = DecodeRequest(key, prompt_len, None, params, self._loader(key, prompt_len),
-                                self._forward(key, emit))
+    def start(self, key: str, prompt_len: int, params: SamplingParams, emit: Emit,
+              token_ids: list[int] | None = None) -> None:
+        """Begin one request (with `token_ids`: prefill it here); raises ConfigError /
+        ContextLengthError / CapacityError / RequestCancelled before anything runs."""
+        if token_ids is not None:
+            self.local.validate(key, token_ids, params)
+            request = DecodeRequest(key, len(token_ids), None, params,
+                                    self._local_loader(key, token_ids, params),
+                                    self._forward(key, emit, with_first=True))
+        else:
+            request = DecodeRequest(key, prompt_len, None, params, self._loader(key, prompt_len),
+                                    self._forward(key, emit))
         try:
             self.engine.submit(request)
         except BaseException:
@@ -76,9 +97,21 @@ class DecodeService:
 
         return load_kv
 
-    def _forward(self, key: str, emit: Emit) -> Callable[[TokenEvent], None]:
-        """Engine events -> emit; the first token's event carries no id (pd has it from prefill)."""
-        seen_first = [False]
+    def _local_loader(self, key: str, token_ids: list[int], params: SamplingParams
+                      ) -> Callable[[Any, int], int]:
+        def load_kv(cache: Any, slot: int) -> int:
+            def into_slot(layer: int, k: Any, v: Any) -> None:
+                cache.load(slot, layer, k, v)
+
+            with self._local_lock:
+                return self.local.prefill(key, token_ids, params, on_layer=into_slot).first_token
+
+        return load_kv
+
+    def _forward(self, key: str, emit: Emit, with_first: bool = False) -> Callable[[TokenEvent], None]:
+        """Engine events -> emit; the first token's event carries no id (pd has it from prefill)
+        unless this instance prefilled the request (`with_first`)."""
+        seen_first = [with_first]
 
         def on_event(ev: TokenEvent) -> None:
             ids = [] if ev.token_id is None or not seen_first[0] else [ev.token_id]
@@ -143,7 +176,11 @@ class DecodeModel:
         self.metrics = triton_metrics(name)
         self.service = DecodeService(load_for(p, args), p.transport(), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
-                                     on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport))
+                                     on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport),
+                                     local_prefill_tokens=p.local_prefill_tokens)
+        t = self.service.threshold
+        pbutils.log(f"{args.get('model_instance_name', name)}: prompts up to {t.tokens} tokens are prefilled "
+                    f"here when pd sends them ({t.reason})")
         self.responses = ResponseLoop(name)
         self.load_gauges = load_gauges("decode", self.service.load, self.metrics.sink)
         self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
@@ -168,12 +205,20 @@ class DecodeModel:
                 self.service.cancel(key)
                 stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.CANCELLED}, final=True)
                 return
+            if pbutils.input_scalar(request, T.DESCRIBE, False):
+                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "",
+                             T.LOCAL_PREFILL_TOKENS: [self.service.threshold.tokens]}, final=True)
+                return
+            get = getter(request)
+            local = pbutils.input_array(request, T.INPUT_IDS) is not None
+            token_ids = inputs.token_ids(get) if local else None
             prompt_len = pbutils.input_scalar(request, T.PROMPT_LEN)
-            if prompt_len is None:
-                raise errors.ConfigError(f"input {T.PROMPT_LEN!r} is required to start a request")
-            params = inputs.sampling_params(getter(request))
+            if prompt_len is None and token_ids is None:
+                raise errors.ConfigError(f"input {T.PROMPT_LEN!r} (or {T.INPUT_IDS!r}) is required to start "
+                                         "a request")
+            params = inputs.sampling_params(get)
             stream.on_cancel = lambda: self.service.cancel(key)  # a gRPC caller that cancelled
-            self.service.start(key, int(prompt_len), params, self._emitter(stream))
+            self.service.start(key, int(prompt_len or 0), params, self._emitter(stream), token_ids)
         except Exception as exc:
             self._fail(stream, exc)
         self._in_flight.set(self.service.in_flight())

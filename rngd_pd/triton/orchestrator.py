@@ -10,6 +10,11 @@ request with the error (its type kept across the hop) after telling decode to dr
 frees its slot and releases the KV on the transport. Client cancellation reaches decode the same way:
 Triton 2.51 cannot cancel a BLS stream from the caller, so pd sends decode a small cancel request.
 
+Conditional disaggregation: a prompt of at most `local_prefill_tokens` tokens (decode's measured
+length, asked for once with `describe`) goes to decode with its ids, and decode prefills it itself: no
+prefill call, no hand-off; decode's stream then starts with the first token. A request whose prefill
+server llm-d named (`prefill_at`) always hands off: the endpoint picker has decided.
+
 Each emitted `Chunk` carries up to `CONTEXT` ids that precede its tokens, so a stateless postprocess
 can detokenize streaming-safely (see `rngd_pd.triton.text_models.text_delta`).
 """
@@ -42,6 +47,8 @@ POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel f
 # not hold the request).
 JOIN_S = 2.0
 CHOSEN_CLIENTS = 16  # gRPC clients to prefill servers named per request, kept open (most recent)
+ASK_AGAIN_S = 30.0  # a decode that did not say its local prefill length is asked again after this
+AUTO = -1  # local_prefill_tokens: ask decode
 
 
 class ModelClient(Protocol):
@@ -82,6 +89,7 @@ class RunStats:
     end: float = 0.0
     tokens: int = 0
     finish_reason: str = ""
+    local_prefill: bool = False  # prefilled by decode itself (no hand-off)
     extra: dict = field(default_factory=dict)
 
 
@@ -136,8 +144,14 @@ class Orchestrator:
     """Runs requests through prefill and decode models reached by two `ModelClient`s (thread-safe)."""
 
     def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
-                 decode_model: str = "decode", max_streams: int = 32) -> None:
+                 decode_model: str = "decode", max_streams: int = 32,
+                 local_prefill_tokens: int = AUTO) -> None:
+        """local_prefill_tokens: prompts up to this long are prefilled by decode (AUTO: decode's own
+        measured length; 0: always hand off)."""
         self.prefill, self.decode = prefill, decode
+        self._local_tokens = local_prefill_tokens
+        self._asked_at = -ASK_AGAIN_S
+        self._ask_lock = threading.Lock()
         self.prefill_model, self.decode_model = prefill_model, decode_model
         # decode's streams are read on a fixed pool, one thread per running request; `run` is called
         # by at most `max_streams` threads at once (pd's request pool), so a stream never waits here
@@ -169,6 +183,27 @@ class Orchestrator:
                 _close(self._chosen.popitem(last=False)[1])
             return client
 
+    def local_prefill_tokens(self) -> int:
+        """Up to which prompt length decode prefills itself: configured, or asked of decode once (a
+        decode that does not answer: 0, hand off everything, and ask again in ASK_AGAIN_S)."""
+        if self._local_tokens != AUTO:
+            return self._local_tokens
+        with self._ask_lock:
+            if self._local_tokens != AUTO:
+                return self._local_tokens
+            if time.monotonic() - self._asked_at < ASK_AGAIN_S:
+                return 0
+            self._asked_at = time.monotonic()
+            inputs = {T.REQUEST_KEY: np.array([b"describe"], dtype=np.object_), T.DESCRIBE: np.array([True])}
+            try:
+                answers = list(self.decode.stream(self.decode_model, inputs, (T.LOCAL_PREFILL_TOKENS,)))
+                self._local_tokens = max(0, int(answers[-1][T.LOCAL_PREFILL_TOKENS].reshape(-1)[0]))
+            except Exception as exc:
+                log.warning("decode did not say its local prefill length (%s); handing off every prompt", exc)
+                return 0
+            log.info("prompts up to %d tokens are prefilled by decode", self._local_tokens)
+            return self._local_tokens
+
     def run(self, input_ids: list[int], params: SamplingParams, stream: bool,
             emit: Callable[[Chunk], None], cancelled: Callable[[], bool] = lambda: False,
             prefill_at: str | None = None) -> RunStats:
@@ -179,15 +214,19 @@ class Orchestrator:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
         params.validate()
         stats = RunStats(new_key(), time.monotonic())
+        stats.local_prefill = not prefill_at and len(input_ids) <= self.local_prefill_tokens()
         responses: queue.SimpleQueue = queue.SimpleQueue()
-        pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses)
+        pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses,
+                                  input_ids if stats.local_prefill else None)
         out = ChunkEmitter(stream, emit, context_len(params.stop))
         try:
-            first = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
-            ready = _drain(responses)
-            _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
-            stats.first_token_at = time.monotonic()
-            out.add([first])
+            ready: list = []
+            if not stats.local_prefill:
+                first = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
+                ready = _drain(responses)
+                _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
+                stats.first_token_at = time.monotonic()
+                out.add([first])
             self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
             self.abort(stats.key)
@@ -207,10 +246,14 @@ class Orchestrator:
         result = client.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
         return int(result[T.FIRST_TOKEN].reshape(-1)[0])
 
-    def _pump(self, key: str, prompt_len: int, params: SamplingParams, responses: queue.SimpleQueue) -> None:
-        """Decode's responses into the queue: ("out", outputs) ..., then ("end", None) or ("err", exc)."""
+    def _pump(self, key: str, prompt_len: int, params: SamplingParams, responses: queue.SimpleQueue,
+              input_ids: list[int] | None = None) -> None:
+        """Decode's responses into the queue: ("out", outputs) ..., then ("end", None) or ("err", exc).
+        With `input_ids`, decode prefills the prompt itself."""
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.PROMPT_LEN: np.array([prompt_len], np.int32), **sampling_inputs(params)}
+        if input_ids is not None:
+            inputs[T.INPUT_IDS] = np.asarray(input_ids, dtype=np.int32)
         try:
             for outputs in self.decode.stream(self.decode_model, inputs, (T.OUTPUT_IDS, T.FINISH_REASON)):
                 responses.put(("out", outputs))
@@ -243,6 +286,8 @@ class Orchestrator:
                 raise errors.RequestCancelled("decode cancelled the request", key=key)
             if reason == FinishReason.ERROR:
                 raise errors.RngdPdError("decode ended the request: error", key=key)
+            if ids and not stats.first_token_at:  # decode prefilled it: its first token is the first
+                stats.first_token_at = time.monotonic()
             out.add(ids, reason)
             if reason:
                 stats.finish_reason = reason

@@ -75,6 +75,8 @@ class _GenerationModel:
             stream.fail(exc)
             return
         self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
+        if self.name == "pd":
+            self.metrics.record_prefill_path(stats.local_prefill)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
@@ -125,7 +127,8 @@ class PdModel(_GenerationModel):
         self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled,
                            health=watch)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
-                                         decode_model=p.decode_model, max_streams=p.max_inflight)
+                                         decode_model=p.decode_model, max_streams=p.max_inflight,
+                                         local_prefill_tokens=p.local_prefill_tokens)
         from rngd_pd.triton.metrics import load_gauges
 
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)

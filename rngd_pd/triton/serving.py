@@ -45,6 +45,8 @@ class DecodeParams(ServingParams):
     # It includes the time the request waits in prefill's queue, so it is generous; a prefill that fails
     # makes pd cancel the decode request, which ends the wait at once.
     kv_timeout_s: float = param(300.0, help="how long decode waits for a request's KV")
+    local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself, "
+                                               "no hand-off (-1 = measured at load, 0 = never)")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class PdParams:
     # decode BLS call wait on them), so `rngd-pd serve` sizes thread-pool-size from this.
     max_inflight: int = param(32, help="requests orchestrated at once (fixed pools of workers)")
     max_queue: int = param(64, help="requests waiting for a worker before CapacityError")
+    local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself "
+                                               "(-1 = the length decode measured, 0 = always hand off)")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ PROMPT_LEN = "prompt_len"
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
 CANCEL = "cancel"
+# Conditional disaggregation: pd asks decode once for the prompt length up to which decode prefills
+# itself (DESCRIBE -> LOCAL_PREFILL_TOKENS), then sends such prompts' INPUT_IDS to decode directly.
+DESCRIBE = "describe"
+LOCAL_PREFILL_TOKENS = "local_prefill_tokens"
 APPLY_CHAT_TEMPLATE = "apply_chat_template"
 CONTEXT_IDS = "context_ids"  # pd -> postprocess: the ids before this chunk, for streaming-safe text
 # Errors in band inside the llm ensemble: preprocess asks pd for them (ERRORS_IN_BAND, always true),
@@ -181,10 +185,13 @@ DECODE = ModelSpec(
         _t(MAX_TOKENS, "INT32", 1, optional=True),
         *SAMPLING_INPUTS,
         _t(CANCEL, "BOOL", 1, optional=True),
+        _t(INPUT_IDS, "INT32", -1, optional=True),
+        _t(DESCRIBE, "BOOL", 1, optional=True),
     ),
-    TOKEN_OUTPUTS,
+    (*TOKEN_OUTPUTS, _t(LOCAL_PREFILL_TOKENS, "INT32", 1)),
     decoupled=True,
-    doc="request key -> token stream; pulls the KV by key (cancel=true stops a key)",
+    doc="request key -> token stream; pulls the KV by key (cancel=true stops a key; input_ids: "
+        "prefill here, no hand-off; describe=true: the local prefill threshold)",
 )
 POSTPROCESS = ModelSpec(
     "postprocess",

@@ -223,7 +223,7 @@ def run_aiperf(t: Target, a: argparse.Namespace, out: Path) -> dict[str, Any]:
                 stderr=subprocess.STDOUT,
                 timeout=a.point_timeout,
                 check=False,
-                env={**os.environ, **aiperf.ENV},
+                env=aiperf.environment(dict(os.environ)),
             )
         figures = aiperf.read_results(artifacts)
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:

@@ -150,7 +150,7 @@ def test_aiperf_profile_argv_is_a_closed_loop_of_fixed_shapes(tmp_path: Path) ->
     assert (val("--synthetic-input-tokens-mean"), val("--synthetic-input-tokens-stddev")) == ("256", "0")
     assert (val("--output-tokens-mean"), val("--output-tokens-stddev")) == ("64", "0")
     assert "--streaming" in argv and val("--tokenizer") == str(tmp_path / "tok")
-    assert "ignore_eos:true" in argv and "min_tokens:64" in argv
+    assert "ignore_eos:true" in argv and "min_tokens:64" not in argv and "--warmup-request-count" not in argv
 
 
 def test_aiperf_export_maps_onto_row_fields(tmp_path: Path) -> None:

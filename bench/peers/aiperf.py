@@ -24,7 +24,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".cache" / "peers" / "aiperf-venv"
 PACKAGE = "aiperf==0.13.0"
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_COLOR": "1"}
+# aiperf's offline mode (HF_HUB_OFFLINE) looks a local tokenizer folder up in the hub cache and fails;
+# without it a local folder is loaded directly, with no network access.
+UNSET = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 EXPORT = "profile_export_aiperf.json"
 
 # aiperf metric tag -> (row field, statistic); the first statistic present wins.
@@ -40,6 +42,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mean_prompt_tokens": ("input_sequence_length", ("avg",)),
     "errors": ("error_request_count", ("avg", "value")),
 }
+
+
+def environment(base: dict[str, str]) -> dict[str, str]:
+    """aiperf's environment: `base` without the offline switches (see UNSET), colours off."""
+    return {**{k: v for k, v in base.items() if k not in UNSET}, "NO_COLOR": "1"}
 
 
 def executable(venv: Path = VENV) -> Path:
@@ -103,8 +110,6 @@ def profile_argv(
         str(concurrency),
         "--request-count",
         str(requests),
-        "--warmup-request-count",
-        "0",
         "--synthetic-input-tokens-mean",
         str(prompt_tokens),
         "--synthetic-input-tokens-stddev",
@@ -125,8 +130,8 @@ def profile_argv(
         "--workers-max",
         str(max(1, min(concurrency, 2))),
     ]
-    if ignore_eos:
-        argv += ["--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{max_tokens}"]
+    if ignore_eos:  # the extension every server here takes (rngd-pd's front end refuses unknown fields)
+        argv += ["--extra-inputs", "ignore_eos:true"]
     return argv
 
 

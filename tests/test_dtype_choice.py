@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from rngd_pd.devices import cpu_features
+from rngd_pd.devices import cpu_features, kernels
 from rngd_pd.devices.cpu_features import CpuFeatures, choose_compute_dtype, parse_cpuinfo
 from rngd_pd.errors import ConfigError
 from rngd_pd.triton import params
@@ -38,6 +38,9 @@ def arm_cpuinfo(features: str) -> str:
 ZEN4 = x86_cpuinfo("AMD EPYC 9654 96-Core Processor", f"{AVX512} avx512_bf16 avx512_vbmi2")
 SAPPHIRE_RAPIDS = x86_cpuinfo("Intel(R) Xeon(R) Platinum 8480+", f"{AVX512} amx_bf16 amx_tile amx_int8")
 HASWELL = x86_cpuinfo("Intel(R) Xeon(R) CPU E5-2680 v3 @ 2.50GHz")
+# what rngd_pd.devices.kernels measures (seconds): AVX2 emulates bf16, AVX512-BF16 runs it natively
+AVX2_TIMES = kernels.PhaseTimes({"bf16": 0.080, "fp32": 0.010}, {"bf16": 0.008, "fp32": 0.002})
+BF16_TIMES = kernels.PhaseTimes({"bf16": 0.010, "fp32": 0.030}, {"bf16": 0.001, "fp32": 0.002})
 SKYLAKE_X = x86_cpuinfo("Intel(R) Xeon(R) Gold 6130 CPU @ 2.10GHz", AVX512)
 GRAVITON3 = arm_cpuinfo("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm "
                         "jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc "
@@ -166,6 +169,8 @@ def test_npu_devices_resolve_on_the_host_cpu() -> None:
 def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
     import torch
 
+    monkeypatch.setattr(kernels, "measured", lambda config, cpu: (
+        BF16_TIMES if cpu.native_bf16 else AVX2_TIMES, False))
     import rngd_pd.model
     from rngd_pd.devices import runtime
     from rngd_pd.triton.serving import PrefillParams, load_for
@@ -176,31 +181,56 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
         memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29)))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.delenv(params.ENV_DTYPE, raising=False)
-    load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"})
+    load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(ZEN4))
-    load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"})
+    load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
     monkeypatch.setenv(params.ENV_DTYPE, "fp32")
     load_for(PrefillParams(dtype="fp32"), {"model_instance_name": "prefill_0_0"})
     assert loaded == [torch.float32, torch.bfloat16, torch.float32]
     out = capsys.readouterr().out
-    assert "prefill_0_0: compute dtype fp32 (auto: no native bf16 on this CPU (AVX2 only)" in out
-    assert "prefill_0_0: compute dtype bf16 (auto: this CPU has AVX512-BF16 (native bf16))" in out
+    assert ("prefill_0_0: compute dtype fp32 (auto (prefill, measured now on this CPU: AVX2 only): fp32 "
+            "10.0 ms vs bf16 80.0 ms per 256-token prefill") in out
+    assert "prefill_0_0: compute dtype bf16 (auto (prefill, measured now on this CPU: AVX512-BF16)" in out
     assert "compute dtype fp32 (forced by $RNGD_PD_DTYPE (rngd-pd serve --dtype))" in out
 
 
 def test_devices_command_shows_the_choice(monkeypatch, capsys) -> None:
     from rngd_pd.commands import devices
 
+    monkeypatch.setattr(kernels, "measured", lambda config, cpu: (AVX2_TIMES, True))
     monkeypatch.setattr(devices, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.delenv(params.ENV_DTYPE, raising=False)
     args = argparse.Namespace(repository=None, role="all", json=False)
     assert devices.run(args) == 0
-    assert "compute dtype: fp32 (auto: no native bf16 on this CPU (AVX2 only)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compute dtype by CPU flags: fp32 (auto: no native bf16 on this CPU (AVX2 only)" in out
+    assert "  decode     fp32  auto (decode, cached measurement on this CPU: AVX2 only): fp32" in out
     assert devices.run(argparse.Namespace(repository=None, role="all", json=True)) == 0
     last = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert (last["compute_dtype"], last["compute_dtype_requested"]) == ("fp32", "auto")
     assert last["cpu_native_bf16"] is None and "Xeon" in last["cpu"] and "config_name" in last
+    assert last["compute_dtype_by_model"]["prefill"]["dtype"] == "fp32"
     monkeypatch.setenv(params.ENV_DTYPE, "bf16")
     choice, _ = devices.compute_dtype_choice()
     assert choice.dtype == "bf16" and choice.warning
+
+
+def test_kernel_times_are_measured_once_per_host_and_model_then_read(tmp_path, smollm) -> None:
+    """A real measurement on this host (a 2-layer probe in bf16 and fp32), cached by CPU, torch,
+    threads and model shape; the second call reads the file."""
+    env = {"RNGD_PD_CACHE": str(tmp_path)}
+    cpu = cpu_features.read_cpu_features()
+    times, cached = kernels.measured(smollm.config, cpu, env)
+    assert not cached and set(times.prefill_s) == set(times.decode_s) == {"bf16", "fp32"}
+    assert all(t > 0 for t in [*times.prefill_s.values(), *times.decode_s.values()])
+    again, cached = kernels.measured(smollm.config, cpu, env)
+    assert cached and again == times
+    table = json.loads((tmp_path / kernels.CACHE_FILE).read_text())
+    assert len(table) == 1 and "threads" in next(iter(table))
+    for phase in kernels.PHASES:
+        assert times.best(phase) in ("bf16", "fp32") and "ms vs" in times.describe(phase)
+    if cpu.native_bf16 is None and cpu.flags:  # an AVX2 host: bf16 is emulated, fp32 must win
+        assert times.best("prefill") == times.best("decode") == "fp32"
+    with pytest.raises(ConfigError):
+        kernels.check_phase("training")

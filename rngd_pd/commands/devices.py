@@ -1,6 +1,6 @@
 """`rngd-pd devices`: which device kinds are usable here and why not, the SDKs and environments found,
-which model configs can load, the one `serve` would choose, and the compute dtype the models would use
-on this host (`auto`: bf16 only where the CPU computes it natively)."""
+which model configs can load, the one `serve` would choose, and the compute dtype each phase's model
+would use on this host (`auto`: the faster of bf16 and fp32, measured per phase, rngd_pd.devices.kernels)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
 
 
-def compute_dtype_choice(env: Mapping[str, str] | None = None) -> tuple[DtypeChoice, CpuFeatures]:
-    """The compute dtype the served models would choose on this host ($RNGD_PD_DTYPE, else auto)."""
+PHASE_OF = {"prefill": "prefill", "decode": "decode", "colocated": "both"}  # model -> kernels phase
+
+
+def compute_dtype_choice(env: Mapping[str, str] | None = None, phase: str | None = None
+                         ) -> tuple[DtypeChoice, CpuFeatures]:
+    """The compute dtype a served model of `phase` would choose on this host ($RNGD_PD_DTYPE, else
+    auto; with a phase, measured as the model would, for $RNGD_PD_MODEL or the embedded model)."""
     env = os.environ if env is None else env
     requested = env.get(ENV_DTYPE, "") or AUTO
-    return choose_compute_dtype(requested, source=f"${ENV_DTYPE}"), read_cpu_features()
+    config = None
+    if phase is not None:
+        from rngd_pd.model.checkpoint import open_checkpoint
+
+        config = open_checkpoint(env.get("RNGD_PD_MODEL") or None).config()
+    return (choose_compute_dtype(requested, source=f"${ENV_DTYPE}", phase=phase, config=config),
+            read_cpu_features())
 
 
 SDK_PACKAGES = ("torch", "numpy", "rebel-compiler", "furiosa-torch", "furiosa-smi")
@@ -98,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     repository = (args.repository or default_repository()).resolve()
     name, why = choose_config_name(repository, args.role, usable)
     choice, cpu = compute_dtype_choice()
+    phases = {model: compute_dtype_choice(phase=phase)[0] for model, phase in PHASE_OF.items()}
     envs = environments()
     configs = config_rows(repository, args.role, usable, {r.kind: r.reason for r in rows})
     if args.json:
@@ -111,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"config_name": name, "why": why, "role": args.role,
                           "compute_dtype": choice.dtype, "compute_dtype_requested": choice.requested,
                           "compute_dtype_why": choice.reason, "cpu": cpu.model, "cpu_arch": cpu.arch,
-                          "cpu_native_bf16": cpu.native_bf16}))
+                          "cpu_native_bf16": cpu.native_bf16,
+                          "compute_dtype_by_model": {m: {"dtype": c.dtype, "why": c.reason}
+                                                     for m, c in phases.items()}}))
         return 0
     print(f"{'kind':6} {'usable':7} {'cards':24} why not")
     for r in rows:
@@ -127,5 +141,9 @@ def run(args: argparse.Namespace) -> int:
         why_not = f": {c['why_not']}" if c["why_not"] else ""
         print(f"  {c['config']:13} needs {', '.join(c['needs']):10} {state}{why_not}")
     print(f"\nserve --role {args.role} would use: {name or 'config.pbtxt'} ({why})")
-    print(f"compute dtype: {choice.dtype} ({choice.reason}; CPU: {cpu.model or cpu.arch or 'unknown'})")
+    print(f"compute dtype by CPU flags: {choice.dtype} ({choice.reason}; "
+          f"CPU: {cpu.model or cpu.arch or 'unknown'})")
+    print("compute dtype the models use (auto: measured per phase on this host, cached):")
+    for model, c in phases.items():
+        print(f"  {model:10} {c.dtype:5} {c.reason}")
     return 0

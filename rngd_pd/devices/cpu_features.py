@@ -147,12 +147,15 @@ def _cuda_bf16() -> tuple[bool, str]:
 
 
 def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | Iterable[str] | None = None,
-                         *, device: str = "cpu", source: str = "--dtype") -> DtypeChoice:
+                         *, device: str = "cpu", source: str = "--dtype", phase: str | None = None,
+                         config: Any = None) -> DtypeChoice:
     """The compute dtype for `requested` (auto | bf16 | fp32; None or "" = auto) on `device`.
 
     bf16 and fp32 are used as given ("forced by --dtype"; `source` names where they came from).
-    auto on cpu (and rngd/atom, whose torch graphs run on the host CPU here): bf16 where the CPU
-    computes bf16 natively, else fp32. auto on cuda: bf16 where torch.cuda.is_bf16_supported().
+    auto on cpu with a `phase` (prefill | decode | both) and the model's `config`: the faster of the
+    two for that phase, measured on this host (rngd_pd.devices.kernels, cached). Without them, and on
+    rngd/atom (whose torch graphs run on the host CPU here): bf16 where the CPU computes bf16
+    natively, else fp32. auto on cuda: bf16 where torch.cuda.is_bf16_supported().
     """
     value = (requested or AUTO).strip().lower()
     if value not in CHOICES:
@@ -168,6 +171,10 @@ def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | It
     if value != AUTO:  # bf16 forced on a CPU: say so when the CPU only emulates it
         slow = "" if native or not cpu.flags else f" (this CPU has no native bf16, {cpu.simd}: slow)"
         return DtypeChoice(value, f"forced by {source}{slow}", value, warning=bool(slow))
+    if device == "cpu" and phase is not None and config is not None:
+        measured = _measured_choice(phase, config, cpu)
+        if measured is not None:
+            return measured
     if native:
         return DtypeChoice("bf16", f"auto: this CPU has {native} (native bf16){host}")
     if not cpu.flags:
@@ -175,3 +182,21 @@ def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | It
                                    f"fp32, the safe choice{host}")
     cost = "~8x slower" if cpu.simd == "AVX2 only" else "emulated, several times slower than fp32"
     return DtypeChoice("fp32", f"auto: no native bf16 on this CPU ({cpu.simd}); bf16 would be {cost}{host}")
+
+
+def _measured_choice(phase: str, config: Any, cpu: CpuFeatures) -> DtypeChoice | None:
+    """auto by measurement (rngd_pd.devices.kernels); None when it cannot run (then the flags decide)."""
+    from rngd_pd.devices import kernels
+
+    kernels.check_phase(phase)
+    try:
+        times, cached = kernels.measured(config, cpu)
+    except Exception as exc:  # a kernel that fails here fails in serving too; the flags still choose
+        import logging
+
+        logging.getLogger(__name__).warning("could not time the kernels (%r); choosing by CPU flags", exc)
+        return None
+    has = cpu.native_bf16 or cpu.simd
+    when = "cached measurement" if cached else "measured now"
+    return DtypeChoice(times.best(phase), f"auto ({phase}, {when} on this CPU: {has}): "
+                                          f"{times.describe(phase)}")

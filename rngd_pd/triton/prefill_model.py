@@ -57,7 +57,7 @@ class PrefillModel:
 
         p = model_params(PrefillParams, args)
         self.transport_name = p.kv_transport
-        self.service = PrefillService(load_for(p, args), p.transport(), p.kv_dtype,
+        self.service = PrefillService(load_for(p, args, "prefill"), p.transport(), p.kv_dtype,
                                       p.chunk_size, p.max_len, **p.prefix_kwargs())
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0

@@ -99,13 +99,14 @@ def check_device(params: ServingParams, args: Mapping[str, Any]) -> Any:
     return device
 
 
-def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
+def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both") -> Any:
     """Check the device, set torch threads, load the checkpoint (embedded model when no path) and
     bind it to the device's runtime (rngd_pd.devices.runtime): the engines run only through it.
 
-    Compute dtype `auto` (the default) is bf16 where the device computes bf16 natively (CPUs with
-    AVX512-BF16, AMX or Arm BF16: 2.5-4x faster than fp32, docs/model.md) and fp32 elsewhere (an AVX2
-    CPU emulates bf16, ~8x slower); bf16/fp32 force one. The choice and why go to the load log.
+    Compute dtype `auto` (the default): on a CPU, the faster of bf16 and fp32 for this model's
+    `phase` (prefill, decode, or both for colocated), measured on this host and cached
+    (rngd_pd.devices.kernels); bf16 wins where the CPU has native bf16 (AVX512-BF16, AMX, Arm BF16)
+    and loses ~8x on AVX2 alone. bf16/fp32 force one. The choice and why go to the load log.
     """
     import os
 
@@ -120,7 +121,10 @@ def load_for(params: ServingParams, args: Mapping[str, Any]) -> Any:
         torch.set_num_threads(params.torch_threads)
     from_env = os.environ.get(ENV_DTYPE, "") != ""
     source = f"${ENV_DTYPE} (rngd-pd serve --dtype)" if from_env else "the dtype parameter"
-    choice = choose_compute_dtype(params.dtype, device=device.kind, source=source)
+    from rngd_pd.model.checkpoint import open_checkpoint
+
+    config = open_checkpoint(params.model_path or None).config() if device.kind == "cpu" else None
+    choice = choose_compute_dtype(params.dtype, device=device.kind, source=source, phase=phase, config=config)
     pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
                 "warn" if choice.warning else "info")
     from rngd_pd.devices.runtime import runtime_for

@@ -203,12 +203,29 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    second = [
+        r for r in rows if r.get("client") == "aiperf" and r.get("tpot_p99_ms") and r.get("output_tok_s")
+    ]
     rows = served(rows)
     names = [workload] if workload else (fixed_workloads(rows) or ["fixed"])
     fig, axes = plt.subplots(1, len(names), figsize=(7.5 * len(names), 5), squeeze=False)
     systems = system_order(rows)
     for ax, name in zip(axes[0], names, strict=True):
         _panel(ax, rows, systems, name, mixed if name == names[0] else None)
+        for r in second:  # the same point through aiperf: a hollow square in the system's colour
+            if r["workload"] == name and r["system"] in systems:
+                color = f"C{systems.index(r['system'])}"
+                ax.plot(
+                    [r["tpot_p99_ms"]],
+                    [r["output_tok_s"]],
+                    "s",
+                    mfc="none",
+                    color=color,
+                    markersize=9,
+                    label=f"{label(r['system'])} (aiperf, {r.get('concurrency')} streams)",
+                )
+        if second:
+            ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -18,9 +18,21 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rngd_pd.errors import ConfigError
+
+ENV_CACHE = "RNGD_PD_CACHE"  # where the Triton backend links and the kernel measurements live
+
+
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """$RNGD_PD_CACHE, else $XDG_CACHE_HOME/rngd-pd, else ~/.cache/rngd-pd."""
+    env = os.environ if env is None else env
+    if env.get(ENV_CACHE):
+        return Path(env[ENV_CACHE])
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rngd-pd"
+
 
 ENV_PARAM_PREFIX = "RNGD_PD_PARAM_"  # RNGD_PD_PARAM_<NAME>: override model parameter <name> anywhere
 # Parameters Triton's Python backend reads itself; allowed in any model's config.

@@ -28,6 +28,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +74,10 @@ class PhaseTimes:
                 f"({b / a:.1f}x)")
 
 
-def cache_path(env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ) if env is None else env
-    root = Path(env["RNGD_PD_CACHE"]) if env.get("RNGD_PD_CACHE") else \
-        Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rngd-pd"
-    return root / CACHE_FILE
+def cache_path(env: Mapping[str, str] | None = None) -> Path:
+    from rngd_pd.settings import cache_root
+
+    return cache_root(env) / CACHE_FILE
 
 
 def cache_key(config: Any, cpu: Any, threads: int, torch_version: str) -> str:
@@ -141,7 +141,7 @@ def measure(config: Any, repeat: int = 5) -> PhaseTimes:
     return PhaseTimes(prefill_s, decode_s)
 
 
-def measured(config: Any, cpu: Any, env: dict[str, str] | None = None) -> tuple[PhaseTimes, bool]:
+def measured(config: Any, cpu: Any, env: Mapping[str, str] | None = None) -> tuple[PhaseTimes, bool]:
     """(times, whether they came from the cache) for this host and model shape; measures on a miss."""
     import torch
 

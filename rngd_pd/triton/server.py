@@ -34,6 +34,7 @@ from typing import IO
 
 from rngd_pd.children import die_with_parent
 from rngd_pd.errors import RngdPdError
+from rngd_pd.settings import cache_root
 from rngd_pd.triton.procs import (  # noqa: F401 - stop_process_group, group_alive: public here too
     group_alive,
     remove_shm_regions,
@@ -119,14 +120,6 @@ def find_tritonserver(env: Mapping[str, str] | None = None) -> TritonInstall:
             "into this environment (it carries tritonserver 2.51 with the Python backend)"
         )
     return bundled
-
-
-def cache_root(env: Mapping[str, str] | None = None) -> Path:
-    """$RNGD_PD_CACHE, else $XDG_CACHE_HOME/rngd-pd, else ~/.cache/rngd-pd."""
-    env = os.environ if env is None else env
-    if env.get("RNGD_PD_CACHE"):
-        return Path(env["RNGD_PD_CACHE"])
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rngd-pd"
 
 
 def _link(target: Path, link: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -196,3 +197,92 @@ def test_compile_check_default_shapes():
         assert r["sdk"]["furiosa-torch"] == "2026.4.0" and r["dtype"] == "bf16" and r["target"] == "import"
         assert r["ok"], f"{r['name']} ({r['shape']}) failed at {r['stage']}: {r['refused_ops']} {r['error']}"
         assert r["unsupported_aten"] == [] and r["nodes"] > 1000
+
+
+# ---------------------------------------------------------------- make test's RNGD setup and compile check
+
+
+def _fake_bin(tmp_path, name, script):
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return path
+
+
+def test_missing_cross_compiler_not_root_says_what_to_run(tmp_path, monkeypatch, capsys):
+    """No aarch64-linux-gnu-gcc on PATH and not root: exit 1 with the exact apt-get command."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setattr(rngd_graphs.os, "geteuid", lambda: 1000)
+    assert rngd_graphs.ensure_toolchain(env={"PATH": str(tmp_path / "bin")}) == 1
+    out = capsys.readouterr().out
+    assert "FAILED (not root)" in out and "aarch64-linux-gnu-gcc is not on PATH" in out
+    assert "apt-get update && apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross" in out
+
+
+def test_missing_cross_compiler_as_root_installs_it(tmp_path, monkeypatch, capsys):
+    """Root with apt-get: apt-get update, then install -y of both packages, then the check again."""
+    log = tmp_path / "apt.log"
+    ready = tmp_path / "gcc-after-install"
+    ready.write_text("#!/bin/sh\ncat >/dev/null\nexit 0\n")
+    ready.chmod(0o755)
+    _fake_bin(tmp_path, "apt-get", f'echo "$@" >> {log}\n'
+              f'[ "$1" = install ] && /bin/cp {ready} {tmp_path}/bin/aarch64-linux-gnu-gcc\nexit 0\n')
+    monkeypatch.setattr(rngd_graphs.os, "geteuid", lambda: 0)
+    assert rngd_graphs.ensure_toolchain(env={"PATH": str(tmp_path / "bin")}) == 0
+    assert log.read_text().splitlines() == [
+        "update", "install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross"]
+    assert "installed" in capsys.readouterr().out
+
+
+def test_cross_compiler_without_headers_is_missing(tmp_path, monkeypatch, capsys):
+    _fake_bin(tmp_path, "aarch64-linux-gnu-gcc",
+              "echo 'fatal error: bits/wordsize.h: No such file' >&2\nexit 1\n")
+    monkeypatch.setattr(rngd_graphs.os, "geteuid", lambda: 1000)
+    assert rngd_graphs.ensure_toolchain(env={"PATH": str(tmp_path / "bin")}) == 1
+    assert "cannot find the aarch64 libc headers (fatal error: bits/wordsize.h" in capsys.readouterr().out
+
+
+def test_configured_shapes_follow_the_model_repository():
+    shapes = rngd.configured_shapes()
+    assert shapes.prefill_chunks == (512,)  # prefill/config.pbtxt chunk_size, device rngd
+    assert shapes.decode == ((8, 512), (8, 2048), (8, 4096))  # decode/configs/rngd.pbtxt
+
+
+def _rngd_ready_or_skip():
+    """In CI (CI=true) a missing environment or cross compiler fails the test; elsewhere it skips,
+    saying why."""
+    why = None
+    if rngd.rngd_python() is None:
+        why = f"{rngd.rngd_env()} is missing: run `make rngd-env`"
+    elif rngd_graphs.toolchain_missing():
+        why = f"{rngd_graphs.toolchain_missing()} (`make rngd-toolchain`)"
+    if why and os.environ.get("CI") == "true":
+        pytest.fail(f"CI must check the RNGD compiler: {why}")
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_rngd_compile_only_conformance():
+    """`make test` runs this: the conformance command on the model repository's RNGD shapes, scope
+    `--stage reduced` (conformance.compile_scope): every graph through furiosa's import whole, and
+    through the whole compiler, to the binary, with 1 decoder layer."""
+    _rngd_ready_or_skip()
+    from rngd_pd.devices import conformance
+
+    cmd = [sys.executable, "-m", "rngd_pd.devices.conformance", "rngd", "--compile-only",
+           "--stage", "reduced", "--config-shapes", "--timeout", "1500"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=rngd.repo_root(), timeout=3500)
+    print(proc.stdout, proc.stderr[-3000:], f"{time.monotonic() - t0:.0f} s", sep="\n")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert conformance.compile_scope("reduced") in proc.stdout
+    shapes = rngd.configured_shapes()
+    want = [f"T={t}" for t in shapes.prefill_chunks] + [f"B={b},L={n}" for b, n in shapes.decode]
+    rows = [line.split() for line in proc.stdout.splitlines() if "@import/" in line or "@compile/" in line]
+    imported = [r[1] for r in rows if "@import/30L" in r[0] and r[2] == "ok"]
+    compiled = [r[1] for r in rows if "@compile/1L" in r[0] and r[2] == "ok"]
+    assert imported == want and compiled == want, proc.stdout
+    assert "furiosa-torch 2026.4.0" in proc.stdout and f"{2 * len(want)} checks, 0 failed" in proc.stdout

@@ -202,33 +202,56 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
     return dev, ref
 
 
-def compile_only(kind: str, shapes: GraphShapes, stage: str = "import") -> list[Check]:
+REDUCED_LAYERS = 1  # --stage reduced: the decoder layers of the model that is compiled to the binary
+
+
+def compile_scope(stage: str, layers: int = REDUCED_LAYERS) -> str:
+    """What `rngd --compile-only --stage <stage>` checked, in one sentence (printed with the table)."""
+    whole = "the whole model (every decoder layer)"
+    return {"import": f"furiosa's decompositions + DFG import (where ops are refused) of {whole}",
+            "lower": f"import + lowering of {whole}",
+            "compile": f"the whole compiler, down to the binary, of {whole}",
+            "reduced": (f"import of {whole}, then the whole compiler down to the binary of the same graphs "
+                        f"with {layers} decoder layer{'s' if layers != 1 else ''} (same widths and shapes; "
+                        "the other layers are the same ops). Nothing runs: no card"),
+            }[stage]
+
+
+def compile_only(kind: str, shapes: GraphShapes, stage: str = "import",
+                 layers: int = REDUCED_LAYERS, per_graph_timeout: float = 7200.0) -> list[Check]:
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
-    `stage` (import: every op accepted, ~40 s a graph on 2 cores; compile: the binary, far longer)."""
+    `stage` (import: every op accepted, ~40 s a graph on 2 cores; compile: the binary, far longer;
+    reduced: import of the whole model, then compile of a `layers`-layer model, compile_scope)."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
     from rngd_pd.devices.rngd import compile_check
 
+    passes = [("import", None), ("compile", layers)] if stage == "reduced" else [(stage, None)]
     checks = []
-    for r in compile_check(shapes, stage=stage):  # rows of rngd_graphs: seconds per step
-        secs = r.get("seconds") or {}
-        total = sum(secs.values()) if isinstance(secs, dict) else float(secs)
-        refused = ", ".join(r.get("refused_ops") or [])
-        detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
-        sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
-        checks.append(Check(f"{r.get('graph', 'graph')}@{stage}", str(r.get("shape", "")), bool(r.get("ok")),
-                            f"{detail} ({sdk})" if sdk else detail, round(total, 1)))
+    for target, n in passes:
+        for r in compile_check(shapes, stage=target, layers=n, per_graph_timeout=per_graph_timeout):
+            secs = r.get("seconds") or {}
+            total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
+            refused = ", ".join(r.get("refused_ops") or [])
+            detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
+            if r.get("ok") and r.get("binary_bytes"):
+                detail += f", binary {r['binary_bytes']} bytes"
+            sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
+            where = f"{target}/{r.get('layers', n or '?')}L"
+            checks.append(Check(f"{r.get('graph', 'graph')}@{where}", str(r.get("shape", "")),
+                                bool(r.get("ok")), f"{detail} ({sdk})" if sdk else detail, round(total, 1)))
     return checks
 
 
 def format_table(kind: str, checks: Sequence[Check]) -> str:
     width = max([len(c.shape) for c in checks] + [5])
+    names = max([len(c.name) for c in checks] + [8])
     lines = [f"device conformance: {kind}",
-             f"  {'check':<8} {'shape':<{width}} {'result':<6} {'s':>7}  detail"]
+             f"  {'check':<{names}} {'shape':<{width}} {'result':<6} {'s':>7}  detail"]
     for c in checks:
         result = "ok" if c.ok else "FAIL"
-        lines.append(f"  {c.name:<8} {c.shape:<{width}} {result:<6} {c.seconds:>7.2f}  {c.detail}")
+        lines.append(f"  {c.name:<{names}} {c.shape:<{width}} {result:<6} {c.seconds:>7.2f}  {c.detail}")
     failed = sum(not c.ok for c in checks)
     lines.append(f"{len(checks)} checks, {failed} failed" + ("" if failed else f": {kind} conforms"))
     return "\n".join(lines)
@@ -240,11 +263,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("device", choices=("cpu", "cuda", "rngd", "atom"))
     p.add_argument("--device-id", type=int, default=-1, help="card ordinal; -1 = the allocated / first one")
     p.add_argument("--compile-only", action="store_true", help="rngd: compile every graph, run nothing")
-    p.add_argument("--stage", default="import", choices=("import", "lower", "compile"),
-                   help="--compile-only: how far the compiler goes (import: every op accepted)")
+    p.add_argument("--stage", default="import", choices=("import", "lower", "compile", "reduced"),
+                   help="--compile-only: how far the compiler goes (import: every op accepted; reduced: "
+                        "import of the whole model + the binary of a --layers model, what CI runs)")
+    p.add_argument("--layers", type=int, default=REDUCED_LAYERS,
+                   help="--stage reduced: decoder layers of the model compiled to the binary")
+    p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
     p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
                    help="decode shapes WIDTHxBUCKET, comma-separated")
+    p.add_argument("--config-shapes", action="store_true",
+                   help="rngd: the shapes the model repository's rngd configs need (prefill chunk_size, "
+                        "every decode bucket of decode/configs/rngd.pbtxt) instead of --chunks/--decode")
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
                    help="compute dtype (default: bf16 for rngd, whose graphs are bf16; else fp32)")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -255,10 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.dtype = args.dtype or ("bf16" if args.device == "rngd" else "fp32")
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
                          args.dtype, args.kv_dtype)
+    if args.config_shapes:
+        from rngd_pd.devices.rngd import configured_shapes
+
+        shapes = configured_shapes()
+        shapes = GraphShapes(shapes.prefill_chunks, shapes.decode, args.dtype, args.kv_dtype)
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
     try:
         if args.compile_only:
-            checks = compile_only(args.device, shapes, args.stage)
+            print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage, args.layers)}; "
+                  f"shapes {shapes.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
+            checks = compile_only(args.device, shapes, args.stage, args.layers, args.timeout)
         else:
             dev, ref = device_runtime(args.device, args.device_id, args.dtype)
             rtol = 1e-3 if args.dtype == "fp32" else 5e-2

@@ -26,6 +26,7 @@ import contextlib
 import ctypes.util
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -87,6 +88,29 @@ def graph_args(shapes: GraphShapes) -> list[str]:
     return args
 
 
+_PARAM = re.compile(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+def pbtxt_parameters(path: Path) -> dict[str, str]:
+    """The string parameters of a Triton config.pbtxt (`parameters { key: ... string_value: ... }`)."""
+    return dict(_PARAM.findall(path.read_text()))
+
+
+def configured_shapes(root: Path | None = None) -> GraphShapes:
+    """The graphs the shipped model repository asks of an RNGD card: prefill's chunk_size
+    (model_repository/prefill/config.pbtxt, device rngd) and every decode bucket of
+    decode/configs/rngd.pbtxt (num_slots x each bucket of max_len, as DecodeEngine plans them)."""
+    from rngd_pd.engine.decode import plan_buckets
+
+    repo = (root or repo_root()) / "model_repository"
+    pre = pbtxt_parameters(repo / "prefill" / "config.pbtxt")
+    dec = pbtxt_parameters(repo / "decode" / "configs" / "rngd.pbtxt")
+    plan = plan_buckets(int(dec["num_slots"]), int(dec["max_len"]), None)
+    return GraphShapes(prefill_chunks=(int(pre["chunk_size"]),),
+                       decode=tuple((slots, n) for n, slots in plan.items()),
+                       dtype="bf16", kv_dtype=dec.get("kv_dtype", "bf16"))
+
+
 def parse_rows(text: str) -> list[dict[str, Any]]:
     """The JSON lines of rngd_graphs' output (other lines, e.g. SDK log lines, are skipped)."""
     rows = []
@@ -105,18 +129,20 @@ def parse_rows(text: str) -> list[dict[str, Any]]:
 
 def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                   timeout: float | None = None, per_graph_timeout: float = 7200.0, no_cache: bool = False,
-                  env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                  layers: int | None = None, env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Export each graph of `shapes` (DEFAULT_SHAPES when None) and take it through the furiosa
     compiler in `.venv-rngd` up to `stage`: "import" (furiosa's decompositions and the DFG import,
     where unsupported ops are refused: ~40 s a graph here), "lower" or "compile" (the whole
     compiler down to the binary: tens of minutes a graph on a 2-core host, seconds from the furiosa
     cache). One row per graph (see rngd_graphs); a refused or failed graph is a row with ok False,
     not an exception; a missing environment is DeviceUnavailableError (naming `make rngd-env`), a
-    run that printed no rows at all RngdPdError with its stderr."""
+    run that printed no rows at all RngdPdError with its stderr. `layers`: the same graphs with only
+    the first N decoder layers (identical layers: same ops, widths and shapes; a quicker compile)."""
     python = require_rngd_python(env)
     shapes = DEFAULT_SHAPES if shapes is None else shapes
     cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
-           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
+           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else []) \
+        + (["--layers", str(layers)] if layers else [])
     from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),

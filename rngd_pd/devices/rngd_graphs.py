@@ -187,17 +187,19 @@ def export(model: Any, spec: GraphSpec, kv_dtype: Any) -> Any:
 # ---------------------------------------------------------------- the compiler (furiosa-torch only)
 
 TOOLCHAIN = "aarch64-linux-gnu-gcc"  # the compiler builds the PEs' C code with it (found by strace)
+TOOLCHAIN_PACKAGES = ("gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross")  # Debian / Ubuntu
+TOOLCHAIN_INSTALL = f"apt-get update && apt-get install -y {' '.join(TOOLCHAIN_PACKAGES)}"
 TOOLCHAIN_HINT = ("install an aarch64 cross compiler with its libc headers, e.g. on Debian/Ubuntu "
-                  "`apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross`")
+                  f"`{TOOLCHAIN_INSTALL}` (as root)")
 
 
-def toolchain_missing() -> str | None:
+def toolchain_missing(path: str | None = None) -> str | None:
     """Why the furiosa compiler cannot finish here (it runs `aarch64-linux-gnu-gcc -lpe ...` on C
-    code that includes <assert.h>), or None."""
+    code that includes <assert.h>), or None. `path`: the PATH to look in (default: $PATH)."""
     import shutil
     import subprocess
 
-    cc = shutil.which(TOOLCHAIN)
+    cc = shutil.which(TOOLCHAIN, path=path)
     if cc is None:
         return f"{TOOLCHAIN} is not on PATH (the furiosa compiler fails with 'No such file or directory'); " \
                + TOOLCHAIN_HINT
@@ -208,6 +210,43 @@ def toolchain_missing() -> str | None:
         return f"{TOOLCHAIN} cannot find the aarch64 libc headers ({err}); " \
                + TOOLCHAIN_HINT
     return None
+
+
+def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
+                     out: Any = None) -> int:
+    """`make test`'s toolchain step: 0 when `aarch64-linux-gnu-gcc` and its libc headers work (after
+    installing them with apt-get when `install`, missing and root), else 1 with the exact command
+    to run. Never a silent skip: the message says what is missing and how to get it."""
+    import shutil
+    import subprocess
+
+    env = dict(os.environ if env is None else env)
+    out = out or sys.stdout
+    path = env.get("PATH", os.defpath)
+    missing = toolchain_missing(path)
+    if missing is None:
+        print(f"rngd toolchain: {shutil.which(TOOLCHAIN, path=path)} (with the aarch64 libc headers) ok",
+              file=out, flush=True)
+        return 0
+    apt = shutil.which("apt-get", path=path)
+    if install and os.geteuid() == 0 and apt:
+        print(f"rngd toolchain: {missing}\nrngd toolchain: installing {' '.join(TOOLCHAIN_PACKAGES)}",
+              file=out, flush=True)
+        run_env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in ([apt, "update"], [apt, "install", "-y", "--no-install-recommends", *TOOLCHAIN_PACKAGES]):
+            if subprocess.run(cmd, env=run_env).returncode:
+                print(f"rngd toolchain: FAILED: `{' '.join(cmd)}`", file=out, flush=True)
+                return 1
+        missing = toolchain_missing(path)
+        if missing is None:
+            print(f"rngd toolchain: installed {shutil.which(TOOLCHAIN, path=path)}", file=out, flush=True)
+            return 0
+    why = ("not root" if os.geteuid() != 0 else "no apt-get on PATH" if not apt else "still missing")
+    print(f"rngd toolchain: FAILED ({why}): {missing}\n"
+          f"rngd toolchain: run as root: {TOOLCHAIN_INSTALL}\n"
+          f"rngd toolchain: (or: sudo sh -c '{TOOLCHAIN_INSTALL}'), then `make test` again",
+          file=out, flush=True)
+    return 1
 
 
 def sdk_versions() -> dict[str, str]:
@@ -563,11 +602,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="compile with only the first N decoder layers")
     ap.add_argument("--max-rss-gb", type=float, default=12.0,
                     help="kill a compile whose resident memory passes this (0: no limit)")
+    ap.add_argument("--toolchain", action="store_true",
+                    help="check the aarch64 cross compiler the furiosa compiler needs (and exit)")
+    ap.add_argument("--install", action="store_true",
+                    help="--toolchain: install it with apt-get when missing and running as root")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # RngdRuntime's worker
     ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.toolchain:
+        return ensure_toolchain(install=args.install)
     if args.serve:
         return serve(args.device_index, args.model, args.dtype)
     if args.one:

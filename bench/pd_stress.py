@@ -15,6 +15,10 @@ is stopped with the run. `--runs N` repeats the whole thing N times, each with a
 relay), prints one summary line per run and a total, so "20 runs of 15 rounds" is one command. The
 log of a failed run is kept (`--log`, else a file in the temp directory, whose path is printed).
 
+Both prefill paths run: `--local-prefill 6` (the default) makes decode prefill the pd streams' prompts
+of up to 6 tokens itself, while the longer ones and every `llm` prompt are handed off through the
+transport.
+
 Why a benchmark and not a test: the crash this guards against (Triton 2.51's Python backend freeing
 finished BLS streams without the GIL, see rngd_pd/triton/clients.py) was rare and load-dependent;
 a probabilistic check belongs where rates are measured. Measured figures are in the README.
@@ -95,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-by", choices=("bls", "grpc"), default="bls",
                    help="how pd reaches prefill: BLS (default) or gRPC to this same server (prefill_url)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
+    p.add_argument("--local-prefill", type=int, default=6,
+                   help="prompts up to this many tokens are prefilled by decode (conditional "
+                        "disaggregation); the default 6 sends 2 of the 5 pd prompts that way and hands off "
+                        "the rest and every llm one, so both paths are under load; 0 = hand everything off")
     args = p.parse_args(argv)
     for name in ("rounds", "concurrency", "max_tokens", "runs"):
         if getattr(args, name) < 1:
@@ -229,6 +237,7 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
                     env[ENV_DECODE_URL] = f"127.0.0.1:{grpc_port}"
                 if args.prefill_by == "grpc":
                     env[ENV_PREFILL_URL] = f"127.0.0.1:{grpc_port}"
+                env["RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS"] = str(args.local_prefill)
                 cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=grpc_port,
                                    metrics_port=0, env=env, extra_args=tuple(args.extra))
                 server = serving.enter_context(TritonServer(cfg, log=log))

@@ -1,11 +1,13 @@
 """Conditional disaggregation: up to which prompt length the decode instance prefills a request itself.
 
 A hand-off costs a short prompt more than its prefill: a round trip to the prefill model, its queue
-(behind long prompts), the KV push and pull. Prefilling it on the decode instance instead costs the
-running streams the prefill's time, since it shares their cores. So a prompt is prefilled locally when
-its prefill takes at most `budget_steps` batched decode steps at full width, measured on this host at
-load: the streams then lose at most about that many steps' time per local request, while the short
-request skips the hand-off. Dynamo (`max_local_prefill_length`) and llm-d (the P/D decider's
+(behind long prompts: in a mixed load one 1,000-token prefill is dozens of decode steps), the KV push
+and pull. Prefilling it on the decode instance instead costs the running streams at most the
+prefill's time (it runs on a loader thread beside the scheduler, sharing the cores the prefill
+instance would have used anyway). So a prompt is prefilled locally when its prefill takes at most
+`budget_steps` (8) batched decode steps at full width, measured on this host at load: a stream loses
+at most about that much once per local request, while the short request skips the queue and the
+hand-off. Dynamo (`max_local_prefill_length`) and llm-d (the P/D decider's
 `threshold`) decide the same way, with a configured length; here it is measured unless given.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 from rngd_pd.model.sampling import SamplingParams
 
 LENGTHS = (16, 32, 64, 128, 256, 512)
-BUDGET_STEPS = 2.0
+BUDGET_STEPS = 8.0
 
 
 @dataclass(frozen=True)

@@ -242,10 +242,12 @@ def plot(out: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = out["rows"]
+    x = "index" if out["experiment"] == "prefix" else "prompt_tokens"  # prefix: all prompts one length
     for name, label in (("A", "off"), ("B", "on")):
         mine = [r for r in rows if r["server"] == name]
-        ax.scatter([r["prompt_tokens"] for r in mine], [r["ttft_s"] * 1e3 for r in mine], label=label, s=14)
-    ax.set_xlabel("prompt tokens")
+        style = "o" if x == "prompt_tokens" else "o-"
+        ax.plot([r[x] for r in mine], [r["ttft_s"] * 1e3 for r in mine], style, label=label, ms=4)
+    ax.set_xlabel("request (0 fills the cache)" if x == "index" else "prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
     ax.set_title(f"{out['experiment']}: TTFT per request, feature off vs on")
@@ -282,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         plot(out, args.png)
     return 0 if out["ok"] else 1
+
+
+def replot(json_path: Path, png: Path) -> None:
+    """The plot of a run written with --json (python -c 'from bench.pd_ab import replot; ...')."""
+    plot(json.loads(json_path.read_text()), png)
 
 
 if __name__ == "__main__":

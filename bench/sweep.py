@@ -136,8 +136,14 @@ def summary_of(stdout: str) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def run_point(t: Target, w: Workload, a: argparse.Namespace, cfg: Any, peak: float) -> dict[str, Any]:
-    """Run load_gen for one point under the power meter; one normalised row with KPIs."""
+def run_point(
+    t: Target, w: Workload, a: argparse.Namespace, cfg: Any, peak: float, client: str = "load_gen"
+) -> dict[str, Any]:
+    """Run load_gen for one point under the power meter; one normalised row with KPIs.
+
+    `client` names the row's role: `load_gen` (the grid), `load_gen-paired` (the run right before
+    aiperf's at the same point, so the two clients are compared under the same machine load).
+    """
     base = {
         "system": t.system,
         "workload": w.name,
@@ -145,7 +151,7 @@ def run_point(t: Target, w: Workload, a: argparse.Namespace, cfg: Any, peak: flo
         "prompt_tokens": w.prompt_tokens if w.trace is None else None,
         "max_tokens": w.max_tokens if w.trace is None else None,
         "cards": ",".join(map(str, t.cards)),
-        "client": "load_gen",
+        "client": client,
         **t.info,
     }
     meter = open_meter(t.cards)
@@ -233,7 +239,12 @@ def run_aiperf(t: Target, a: argparse.Namespace, out: Path) -> dict[str, Any]:
             **base,
             "note": f"aiperf exited {proc.returncode}, no results; log {out}/aiperf-{t.system}.log",
         }
-    return {**base, **figures, "wall_s": round(time.monotonic() - t0, 1)}
+    return {
+        **base,
+        **figures,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def _model_id(url: str) -> str:
@@ -409,6 +420,10 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
                             sink.write(json.dumps(row) + "\n")
                             sink.flush()
                         if a.aiperf and t.system in a.aiperf_systems:
+                            row = run_point(t, aiperf_point(a), a, cfg, peak, client="load_gen-paired")
+                            log(f"{t.system:>10} load_gen before aiperf: {row.get('output_tok_s')} tok/s")
+                            rows.append(row)
+                            sink.write(json.dumps(row) + "\n")
                             row = run_aiperf(t, a, out)
                             log(
                                 f"{t.system:>10} aiperf: {row.get('output_tok_s')} tok/s "

@@ -39,8 +39,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 
 def served(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The load generator's rows (the main tables); aiperf's rows have client=aiperf."""
-    return [r for r in rows if r.get("client", "load_gen") != "aiperf"]
+    """The load generator's grid rows (the main tables): not aiperf's, nor the load_gen run paired with it."""
+    return [r for r in rows if r.get("client", "load_gen") == "load_gen"]
 
 
 def fixed_workloads(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -365,18 +365,26 @@ AIPERF_FIELDS = (
 
 
 def aiperf_compare(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each aiperf row next to the load generator's row of the same point, and aiperf / load_gen."""
+    """Each aiperf row next to the load generator's row of the same point, and aiperf / load_gen.
+
+    The load_gen row is the one run right before aiperf (client `load_gen-paired`) where there is one,
+    so both clients saw the same machine load; else the grid's row of that point.
+    """
     ours = served(rows)
+    paired = [r for r in rows if r.get("client") == "load_gen-paired"]
     out = []
     for r in rows:
         if r.get("client") != "aiperf":
             continue
-        lg = _get(ours, r["system"], r["workload"], r.get("concurrency")) or {}
+        point = (r["system"], r["workload"], r.get("concurrency"))
+        lg = _get(paired, *point) or _get(ours, *point) or {}
         entry: dict[str, Any] = {
             "system": r["system"],
             "workload": r["workload"],
             "concurrency": r.get("concurrency"),
             "note": r.get("note", ""),
+            "load_gen_row": lg.get("client"),
+            "loadavg_1m": {"aiperf": r.get("loadavg_1m"), "load_gen": lg.get("loadavg_1m")},
         }
         for f in AIPERF_FIELDS:
             a, b = r.get(f), lg.get(f)
@@ -396,11 +404,12 @@ def aiperf_text(entries: Sequence[dict[str, Any]]) -> str:
                     _fmt(e["concurrency"]),
                     client,
                     *(_fmt(e[f][client]) for f in AIPERF_FIELDS),
+                    _fmt(e.get("loadavg_1m", {}).get(client)),
                     e["note"] if client == "aiperf" else "",
                 ]
             )
-        body.append(["", "", "", "aiperf/load_gen", *(_fmt(e[f]["ratio"], 3) for f in AIPERF_FIELDS), ""])
-    header = ["system", "workload", "conc", "client", *AIPERF_FIELDS, "note"]
+        body.append(["", "", "", "aiperf/load_gen", *(_fmt(e[f]["ratio"], 3) for f in AIPERF_FIELDS), "", ""])
+    header = ["system", "workload", "conc", "client", *AIPERF_FIELDS, "load_1m", "note"]
     return "the same point through two clients (aiperf's TPOT = its inter-token latency)\n" + _grid(
         header, body
     )

@@ -288,3 +288,15 @@ def test_hf_copy_loads_with_transformers_and_gives_the_ggufs_greedy_tokens(
     assert vllm.greedy_tokens(out, ids, 6) == vllm.greedy_tokens(None, ids, 6, gguf=gguf)
     again = vllm.write_hf_copy(gguf, out)  # reused while the source stamp matches
     assert again == out and (out / "SOURCE").read_text().endswith(str(gguf.stat().st_size))
+
+
+def test_aiperf_is_compared_with_the_load_gen_run_paired_with_it() -> None:
+    rows = _issue13_rows()
+    paired = _row("pd", "fixed-256x64", 8, 280.0, 105.0, 31.0, client="load_gen-paired", loadavg_1m=3.5)
+    summary = sweep_report.summary([*rows, paired])
+    pd_ai = next(e for e in summary["aiperf"] if e["system"] == "pd")
+    assert pd_ai["load_gen_row"] == "load_gen-paired" and pd_ai["output_tok_s"]["load_gen"] == 280.0
+    assert pd_ai["loadavg_1m"]["load_gen"] == 3.5
+    grid = {(r["system"], r["concurrency"], r["output_tok_s"]) for r in sweep_report.served([*rows, paired])}
+    assert ("pd", 8, 280.0) not in grid  # the paired run stays out of the grid's tables
+    assert "load_1m" in sweep_report.report([*rows, paired])

@@ -127,8 +127,10 @@ def profile_argv(
         "none",
         "--no-server-metrics",
         "--no-gpu-telemetry",
-        "--workers-max",
-        str(max(1, min(concurrency, 2))),
+        "--workers-max",  # a 2-core host: the fewest client processes, so the server keeps the CPU
+        "1",
+        "--record-processors",
+        "1",
     ]
     if ignore_eos:  # the extension every server here takes (rngd-pd's front end refuses unknown fields)
         argv += ["--extra-inputs", "ignore_eos:true"]

@@ -94,3 +94,29 @@ def test_the_measured_threshold_fits_the_step_budget(smollm) -> None:
     # the engine still starts and serves after being timed
     decode.start()
     decode.stop()
+
+
+def test_a_decode_only_device_hands_everything_off(smollm) -> None:
+    """A runtime that cannot prefill (ATOM runs decode only): decode still loads, says 0, refuses ids."""
+    from rngd_pd import errors
+    from rngd_pd.devices import select_device
+    from rngd_pd.devices.torch_runtime import TorchRuntime
+    from rngd_pd.kv import load_transport
+    from rngd_pd.model.sampling import SamplingParams
+    from rngd_pd.triton.decode_model import DecodeService
+
+    class DecodeOnly(TorchRuntime):  # as rngd_pd.devices.atom answers a prefill
+        def prefill(self, *args, **kwargs):
+            raise errors.DeviceUnavailableError("the ATOM runtime runs decode only in this system")
+
+    runtime = DecodeOnly(select_device("cpu", -1), smollm)
+    root = tempfile.mkdtemp(prefix="rngd-pd-decode-only-")
+    service = DecodeService(runtime, load_transport("shm", root=root), "fp32", num_slots=2, max_len=64,
+                            local_prefill_tokens=-1)
+    try:
+        assert service.threshold.tokens == 0 and "cannot prefill" in service.threshold.reason
+        with pytest.raises(errors.ConfigError, match="hand the KV off"):
+            service.start("k", 3, SamplingParams(max_tokens=2), lambda *a: None, token_ids=[1, 2, 3])
+    finally:
+        service.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -60,10 +60,14 @@ class DecodeService:
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
         self.engine = DecodeEngine(runtime, num_slots, max_len, kv_dtype, max_queue,
                                    loader_threads=num_slots)
-        self.local = PrefillEngine(runtime, kv_dtype, chunk_size=512, max_context=self.engine.max_len)
         self._local_lock = threading.Lock()  # one local prefill at a time: they share the cores
-        self.threshold = (measure(self.local, self.engine) if local_prefill_tokens < 0 else
-                          Threshold(local_prefill_tokens, "set by local_prefill_tokens"))
+        self.local: PrefillEngine | None = None
+        try:
+            self.local = PrefillEngine(runtime, kv_dtype, chunk_size=512, max_context=self.engine.max_len)
+            self.threshold = (measure(self.local, self.engine) if local_prefill_tokens < 0 else
+                              Threshold(local_prefill_tokens, "set by local_prefill_tokens"))
+        except errors.DeviceUnavailableError as exc:  # a decode-only device (ATOM): always hand off
+            self.local, self.threshold = None, Threshold(0, f"this device cannot prefill: {exc.message}")
         self.engine.start()
         self.on_kv = on_kv  # gets each request's KV wait + transfer seconds (metrics)
 
@@ -72,6 +76,11 @@ class DecodeService:
         """Begin one request (with `token_ids`: prefill it here); raises ConfigError /
         ContextLengthError / CapacityError / RequestCancelled before anything runs."""
         if token_ids is not None:
+            if self.local is None:
+                from rngd_pd.triton import tensors as T
+
+                raise errors.ConfigError(f"this decode instance cannot prefill ({self.threshold.reason}); "
+                                         f"send {T.PROMPT_LEN!r} and hand the KV off", key=key)
             self.local.validate(key, token_ids, params)
             request = DecodeRequest(key, len(token_ids), None, params,
                                     self._local_loader(key, token_ids, params),
@@ -103,6 +112,7 @@ class DecodeService:
             def into_slot(layer: int, k: Any, v: Any) -> None:
                 cache.load(slot, layer, k, v)
 
+            assert self.local is not None
             with self._local_lock:
                 return self.local.prefill(key, token_ids, params, on_layer=into_slot).first_token
 

@@ -369,8 +369,8 @@ def vllm_command(
         max_num_seqs=a.num_slots,
         extra=a.vllm_arg,
     )
-    env = vllm.server_env(a.vllm_threads, a.vllm_kv_cache_gib)
-    info = {"dtype": dtype, "dtype_reason": why, "threads": a.vllm_threads}
+    env = vllm.server_env(a.vllm_threads, a.vllm_kv_cache_gib, a.vllm_bind)
+    info = {"dtype": dtype, "dtype_reason": why, "threads": a.vllm_threads, "bind": a.vllm_bind}
     return argv, env, info
 
 
@@ -499,6 +499,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="vLLM compute dtype; auto = bf16 where the CPU has native bf16 (cpu_features), else fp32",
     )
     ap.add_argument("--vllm-threads", type=int, default=os.cpu_count() or 2, help="vLLM's OpenMP threads")
+    ap.add_argument(
+        "--vllm-bind",
+        default="nobind",
+        help="vLLM thread binding: nobind (default; a shared host), cores (pin to 0..threads-1), or a mask",
+    )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-max-model-len", type=int, default=0, help="0 = fit the longest point")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server argument")

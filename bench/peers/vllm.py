@@ -194,12 +194,17 @@ def choose_dtype(requested: str = "auto", features: Any = None) -> tuple[str, st
     return "float32", f"{f.simd}: no native bf16"
 
 
-def server_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
-    """Environment of the vLLM CPU server: KV cache size, OpenMP threads bound to the cores."""
-    cores = ",".join(str(i) for i in range(threads))
+def server_env(threads: int, kv_cache_gib: int, bind: str = "cores") -> dict[str, str]:
+    """Environment of the vLLM CPU server: KV cache size (GiB), OpenMP threads and their binding.
+
+    bind `cores`: vLLM pins its threads to cores 0..threads-1 (KMP_AFFINITY; best on a quiet host);
+    `nobind`: the OS places them (on a shared, loaded host pinned threads that spin at barriers were
+    seen to collapse: 2.8 tok/s for one stream at load average ~20); anything else is passed as is.
+    """
+    mask = {"cores": f"0-{threads - 1}" if threads > 1 else "0"}.get(bind, bind)
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else cores,
+        "VLLM_CPU_OMP_THREADS_BIND": mask,
         "OMP_NUM_THREADS": str(threads),
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_NO_USAGE_STATS": "1",

@@ -238,6 +238,7 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
                 if args.prefill_by == "grpc":
                     env[ENV_PREFILL_URL] = f"127.0.0.1:{grpc_port}"
                 env["RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS"] = str(args.local_prefill)
+                env["RNGD_PD_PARAM_LOCAL_PREFILL_WHEN"] = "always"  # by length: both paths every round
                 cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=grpc_port,
                                    metrics_port=0, env=env, extra_args=tuple(args.extra))
                 server = serving.enter_context(TritonServer(cfg, log=log))

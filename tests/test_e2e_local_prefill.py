@@ -33,7 +33,7 @@ def server():
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     shm_root = tempfile.mkdtemp(prefix="rngd-pd-local-", dir=base)
     env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root,
-           "RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS": str(LOCAL)}
+           "RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS": str(LOCAL), "RNGD_PD_PARAM_LOCAL_PREFILL_WHEN": "always"}
     try:
         with triton_server(E.subset_repository(["pd", "prefill", "decode", "colocated"]), "cpu", env) as s:
             yield s

@@ -73,7 +73,8 @@ class FakeModels:
 def _run(models: FakeModels, stream: bool = True, **kw) -> tuple[list[Chunk], object]:
     chunks: list[Chunk] = []
     params = SamplingParams(max_tokens=4)
-    stats = Orchestrator(models, models).run([1, 2, 3], params, stream, chunks.append, **kw)
+    stats = Orchestrator(models, models, local_prefill_when="always").run([1, 2, 3], params, stream,
+                                                                          chunks.append, **kw)
     return chunks, stats
 
 
@@ -104,7 +105,7 @@ def test_a_short_prompt_is_prefilled_by_decode_without_a_prefill_call() -> None:
 
 def test_the_local_prefill_length_is_asked_once_and_can_be_turned_off() -> None:
     models = FakeModels(local_tokens=100)
-    orch = Orchestrator(models, models)
+    orch = Orchestrator(models, models, local_prefill_when="always")
     for _ in range(3):
         assert orch.run([1, 2], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
     assert models.described == 1
@@ -117,6 +118,32 @@ def test_the_local_prefill_length_is_asked_once_and_can_be_turned_off() -> None:
     assert not Orchestrator(off, off, local_prefill_tokens=0).run(
         [1], SamplingParams(max_tokens=4), True, lambda c: None).local_prefill
     assert off.described == 0
+
+
+def test_by_default_a_short_prompt_is_prefilled_locally_only_while_a_prefill_is_in_flight() -> None:
+    release = threading.Event()
+
+    class SlowPrefill(FakeModels):
+        def infer(self, model, inputs, outputs):
+            if len(inputs[T.INPUT_IDS]) > 5:  # the long prompt's prefill takes a while
+                release.wait(10)
+            return super().infer(model, inputs, outputs)
+
+    models = SlowPrefill(local_tokens=5)
+    orch = Orchestrator(models, models)
+    params = SamplingParams(max_tokens=4)
+    assert not orch.run([1, 2], params, True, lambda c: None).local_prefill  # prefill idle: hand off
+    long = threading.Thread(target=orch.run, args=(list(range(1, 20)), params, True, lambda c: None))
+    long.start()
+    deadline = time.monotonic() + 10
+    while orch._remote == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert orch.run([1, 2], params, True, lambda c: None).local_prefill  # it would queue: decode does it
+    release.set()
+    long.join(10)
+    assert not orch.run([1, 2], params, True, lambda c: None).local_prefill
+    with pytest.raises(errors.ConfigError, match="local_prefill_when"):
+        Orchestrator(models, models, local_prefill_when="sometimes")
 
 
 def test_context_ids_are_capped() -> None:

@@ -12,8 +12,11 @@ Triton 2.51 cannot cancel a BLS stream from the caller, so pd sends decode a sma
 
 Conditional disaggregation: a prompt of at most `local_prefill_tokens` tokens (decode's measured
 length, asked for once with `describe`) goes to decode with its ids, and decode prefills it itself: no
-prefill call, no hand-off; decode's stream then starts with the first token. A request whose prefill
-server llm-d named (`prefill_at`) always hands off: the endpoint picker has decided.
+prefill call, no hand-off; decode's stream then starts with the first token. By default (`when="busy"`)
+only while this pd has a prefill in flight: a short prompt would then queue behind it, whereas an
+idle prefill instance serves it at the cost of a hand-off and leaves decode's cores to the running
+streams (Dynamo's rule also weighs the prefill queue). `when="always"` goes by length alone. A request
+whose prefill server llm-d named (`prefill_at`) always hands off: the endpoint picker has decided.
 
 Each emitted `Chunk` carries up to `CONTEXT` ids that precede its tokens, so a stateless postprocess
 can detokenize streaming-safely (see `rngd_pd.triton.text_models.text_delta`).
@@ -49,6 +52,7 @@ JOIN_S = 2.0
 CHOSEN_CLIENTS = 16  # gRPC clients to prefill servers named per request, kept open (most recent)
 ASK_AGAIN_S = 30.0  # a decode that did not say its local prefill length is asked again after this
 AUTO = -1  # local_prefill_tokens: ask decode
+LOCAL_WHEN = ("busy", "always")  # local prefill only while a prefill is in flight, or by length alone
 
 
 class ModelClient(Protocol):
@@ -145,11 +149,17 @@ class Orchestrator:
 
     def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
                  decode_model: str = "decode", max_streams: int = 32,
-                 local_prefill_tokens: int = AUTO) -> None:
+                 local_prefill_tokens: int = AUTO, local_prefill_when: str = "busy") -> None:
         """local_prefill_tokens: prompts up to this long are prefilled by decode (AUTO: decode's own
-        measured length; 0: always hand off)."""
+        measured length; 0: always hand off), when `local_prefill_when` (module docstring)."""
+        if local_prefill_when not in LOCAL_WHEN:
+            raise errors.ConfigError(f"local_prefill_when must be one of {', '.join(LOCAL_WHEN)}, "
+                                     f"got {local_prefill_when!r}")
         self.prefill, self.decode = prefill, decode
         self._local_tokens = local_prefill_tokens
+        self._local_when = local_prefill_when
+        self._remote = 0  # this pd's prefill calls in flight
+        self._remote_lock = threading.Lock()
         self._asked_at = -ASK_AGAIN_S
         self._ask_lock = threading.Lock()
         self.prefill_model, self.decode_model = prefill_model, decode_model
@@ -214,7 +224,7 @@ class Orchestrator:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
         params.validate()
         stats = RunStats(new_key(), time.monotonic())
-        stats.local_prefill = not prefill_at and len(input_ids) <= self.local_prefill_tokens()
+        stats.local_prefill = self._prefill_here(len(input_ids), prefill_at)
         responses: queue.SimpleQueue = queue.SimpleQueue()
         pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses,
                                   input_ids if stats.local_prefill else None)
@@ -237,7 +247,24 @@ class Orchestrator:
         stats.end, stats.tokens = time.monotonic(), len(out.ids)
         return stats
 
+    def _prefill_here(self, prompt_len: int, prefill_at: str | None) -> bool:
+        """Whether decode prefills this prompt itself (module docstring)."""
+        if prefill_at or prompt_len > self.local_prefill_tokens():
+            return False
+        with self._remote_lock:
+            return self._local_when == "always" or self._remote > 0
+
     def _prefill(self, client: ModelClient, key: str, input_ids: list[int], params: SamplingParams) -> int:
+        with self._remote_lock:
+            self._remote += 1
+        try:
+            return self._prefill_remote(client, key, input_ids, params)
+        finally:
+            with self._remote_lock:
+                self._remote -= 1
+
+    def _prefill_remote(self, client: ModelClient, key: str, input_ids: list[int],
+                        params: SamplingParams) -> int:
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
                   **sampling_inputs(params, with_max_tokens=False)}

@@ -72,6 +72,9 @@ class PdParams:
     max_queue: int = param(64, help="requests waiting for a worker before CapacityError")
     local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself "
                                                "(-1 = the length decode measured, 0 = always hand off)")
+    local_prefill_when: str = param("busy", choices=("busy", "always"),
+                                    help="busy: prefill short prompts on decode only while a prefill is in "
+                                         "flight (they would queue behind it); always: by length alone")
 
 
 @dataclass(frozen=True)

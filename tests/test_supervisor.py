@@ -384,3 +384,29 @@ def test_a_stub_replaced_while_models_load_is_not_a_death(proc: Path, monkeypatc
     assert {s.pid for s in watch.watch.stubs.values() if s.model == "prefill"} == {107}
     shutil.rmtree(proc / "107")  # it dies serving: nothing replaces it
     assert "stub of model prefill (pid 107) died" in str(watch.check(now=3.0))
+
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_process_exits_when_its_parent_dies() -> None:
+    """children.exit_when_orphaned (every model's initialize): a stub whose tritonserver was killed
+    exits instead of living on with the model in memory."""
+    import time
+
+    child = ("import time; from rngd_pd.children import exit_when_orphaned; exit_when_orphaned(0.05); "
+             "print('watching', flush=True); time.sleep(60)")
+    code = (f"import subprocess, sys, os; c = subprocess.Popen([sys.executable, '-c', {child!r}], "
+            "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); c.stdout.readline(); "
+            "print(c.pid, flush=True); os._exit(0)")  # dies once the child watches, as a killed server
+    parent = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), f"process {pid} outlived its parent"

@@ -83,7 +83,11 @@ class TextParams:
 
 
 def model_params(cls: type, args: Mapping[str, Any]) -> Any:
-    """Parse this model's parameters from Triton's initialize args and log them."""
+    """Parse this model's parameters from Triton's initialize args and log them. Every model's
+    `initialize` starts here, so this is also where the stub learns to exit with its tritonserver."""
+    from rngd_pd.children import exit_when_orphaned
+
+    exit_when_orphaned()
     params = parse_params(cls, args["model_config"])
     pbutils.log(f"{args.get('model_name', '?')} ({args.get('model_instance_name', '?')}): {describe(params)}")
     return params

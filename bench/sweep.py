@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -99,7 +100,16 @@ def grid(a: argparse.Namespace) -> list[Workload]:
     return points
 
 
-def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace) -> list[str]:
+def prompt_seed(w: Workload, client: str = "load_gen") -> int:
+    """load_gen's prompt seed for a point: the same for every system, different for every point.
+
+    With one seed for all points, a point would resend the prompts of the points before it, and a
+    server with a prefix cache (vLLM; rngd-pd's prefill) would skip their prefill.
+    """
+    return zlib.crc32(f"{w.name}:{w.concurrency}:{w.prompt_tokens}:{w.requests}:{client}".encode())
+
+
+def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace, client: str = "load_gen") -> list[str]:
     """bench/load_gen.py's command line for one point (the only place that knows its flags)."""
     argv = [
         sys.executable,
@@ -108,6 +118,8 @@ def load_gen_argv(t: Target, w: Workload, a: argparse.Namespace) -> list[str]:
         t.url,
         "--json",
         "--quiet",
+        "--seed",
+        str(prompt_seed(w, client)),
     ]
     if a.ignore_eos:
         argv.append("--ignore-eos")
@@ -159,7 +171,11 @@ def run_point(
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
-            load_gen_argv(t, w, a), capture_output=True, text=True, timeout=a.point_timeout, check=False
+            load_gen_argv(t, w, a, client),
+            capture_output=True,
+            text=True,
+            timeout=a.point_timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         meter.stop()

@@ -302,3 +302,14 @@ def test_aiperf_is_compared_with_the_load_gen_run_paired_with_it() -> None:
     grid = {(r["system"], r["concurrency"], r["output_tok_s"]) for r in sweep_report.served([*rows, paired])}
     assert ("pd", 8, 280.0) not in grid  # the paired run stays out of the grid's tables
     assert "load_1m" in sweep_report.report([*rows, paired])
+
+
+def test_every_point_sends_new_prompts_but_every_system_the_same() -> None:
+    a = _args("--preset", "issue13", "--aiperf")
+    pts = sweep.grid(a)
+    seeds = [sweep.prompt_seed(w) for w in pts]
+    assert len(set(seeds)) == len(seeds)  # no point resends another's prompts (prefix caches)
+    assert sweep.prompt_seed(sweep.aiperf_point(a), "load_gen-paired") not in seeds
+    pd = sweep.load_gen_argv(sweep.Target("pd", "http://a"), pts[0], a)
+    vl = sweep.load_gen_argv(sweep.Target("vllm", "http://b"), pts[0], a)
+    assert pd[pd.index("--seed") + 1] == vl[vl.index("--seed") + 1] == str(seeds[0])

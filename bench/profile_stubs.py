@@ -15,7 +15,10 @@ whose frames it contains, innermost first:
 * orchestration: pd's BLS calls, request parsing (`triton/orchestrator.py`, `clients.py`, `inputs.py`)
 * other
 
-and the table shows each stub's share per category plus its busiest functions (self samples). The
+and a sample whose innermost frame only waits (a condition, a queue, a sleep, a socket) is counted as
+waiting. A second recording per stub keeps only the samples that hold the GIL (`--gil`): how much of
+the wall time each category holds it, i.e. what contends for it. The table shows each stub's share
+per category, its GIL time and its busiest functions (self samples). The
 figures go to docs/benchmarks.md; `--keep DIR` keeps the raw py-spy files (flamegraph input).
 """
 
@@ -41,6 +44,8 @@ if str(ROOT) not in sys.path:
 
 from bench.pd_ab import machine, stream  # noqa: E402
 
+WAITS = ("Condition.wait", "Event.wait", "sleep", "_wait_open", "select", "poll (", "orchestrator.py:302",
+         "SimpleQueue.get", "queue.py", "socket.py", "recv")  # an innermost frame that only waits
 CATEGORIES = (  # first match wins, checked innermost frame first
     ("model compute", ("rngd_pd/model/",)),
     ("kv transport", ("rngd_pd/kv/", "kv_io.py")),
@@ -63,6 +68,9 @@ def parse_raw(text: str) -> tuple[Counter, Counter, int]:
         frames = stack.split(";")
         total += n
         funcs[frames[-1]] += n
+        if any(w in frames[-1] for w in WAITS):
+            cats["waiting"] += n
+            continue
         for frame in reversed(frames):
             cat = next((c for c, marks in CATEGORIES if any(m in frame for m in marks)), None)
             if cat is not None:
@@ -100,20 +108,28 @@ def profile(server_pid: int, seconds: float, out_dir: Path) -> dict[str, dict]:
     for stub in stub_processes(server_pid):
         if stub.completes_config:
             continue
-        path = out_dir / f"{stub.instance}.raw"
-        procs[stub.instance] = (path, subprocess.Popen(
-            [spy, "record", "--pid", str(stub.pid), "--duration", str(int(seconds)), "--format", "raw",
-             "--nonblocking", "--output", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    result = {}
-    for name, (path, proc) in procs.items():
+        for mode in ("all", "gil"):  # every thread's samples, and only those holding the GIL
+            path = out_dir / f"{stub.instance}.{mode}.raw"
+            procs[(stub.instance, mode)] = (path, subprocess.Popen(
+                [spy, "record", "--pid", str(stub.pid), "--duration", str(int(seconds)), "--format", "raw",
+                 "--nonblocking", "--output", str(path), *(["--gil"] if mode == "gil" else [])],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    result: dict[str, dict] = {}
+    for (name, mode), (path, proc) in procs.items():
         _, err = proc.communicate(timeout=seconds + 60)
+        entry = result.setdefault(name, {})
         if proc.returncode != 0 or not path.exists():
-            result[name] = {"error": err.decode(errors="replace")[-300:]}
+            entry["error"] = err.decode(errors="replace")[-300:]
             continue
         cats, funcs, total = parse_raw(path.read_text())
-        result[name] = {"samples": total,
-                        "share": {c: cats[c] / total for c in [*dict(CATEGORIES), "other"] if total},
-                        "top": [(f, n / total) for f, n in funcs.most_common(8)] if total else []}
+        if mode == "all":
+            entry.update(samples=total,
+                         share={c: cats[c] / total for c in [*dict(CATEGORIES), "other", "waiting"] if total},
+                         top=[(f, n / total) for f, n in funcs.most_common(8)] if total else [])
+        else:  # the GIL's holders, as a share of the wall time sampled (100 samples a second)
+            held = seconds * 100
+            names = [*dict(CATEGORIES), "other", "waiting"]
+            entry.update(gil_held=total / held, gil_by={c: cats[c] / held for c in names if cats[c]})
     return result
 
 
@@ -163,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: py-spy failed: {s['error']}")
                 continue
             share = ", ".join(f"{c} {v:.0%}" for c, v in s["share"].items() if v >= 0.005)
-            print(f"  {name} ({s['samples']} samples): {share}")
+            print(f"  {name} ({s['samples']} samples of all threads): {share}")
+            gil = ", ".join(f"{c} {v:.0%}" for c, v in s.get("gil_by", {}).items() if v >= 0.005)
+            print(f"      GIL held {s.get('gil_held', 0):.0%} of the time: {gil}")
             for func, v in s["top"][:5]:
                 print(f"      {v:5.1%}  {func}")
     if args.json:

@@ -1,0 +1,25 @@
+"""bench/profile_stubs.py: py-spy's raw stacks into categories (no server, no py-spy)."""
+
+from __future__ import annotations
+
+from bench.profile_stubs import parse_raw
+
+DECODE = "_run (rngd_pd/engine/decode.py:340);_step (rngd_pd/engine/decode.py:400)"
+LOAD = "_load (rngd_pd/engine/decode.py:380)"
+
+RAW = f"""\
+{DECODE};decode_step (rngd_pd/model/llama.py:300);_linear (rngd_pd/model/llama.py:88) 60
+_run (rngd_pd/triton/sending.py:108);send (rngd_pd/triton/pbutils.py:174) 10
+{LOAD};receive_into (rngd_pd/triton/kv_io.py:150);pull (rngd_pd/kv/shm.py:300) 20
+{LOAD};pull (rngd_pd/kv/shm.py:300);_wait_open (rngd_pd/kv/shm.py:204) 5
+_bootstrap (threading.py:1002);wait (threading.py:331);Condition.wait (threading.py:331) 4
+main (x.py:1) 1
+"""
+
+
+def test_samples_are_put_in_their_innermost_category() -> None:
+    cats, funcs, total = parse_raw(RAW)
+    assert total == 100
+    assert cats["model compute"] == 60 and cats["responses"] == 10 and cats["kv transport"] == 20
+    assert cats["waiting"] == 9 and cats["other"] == 1
+    assert funcs.most_common(1)[0] == ("_linear (rngd_pd/model/llama.py:88)", 60)

@@ -44,8 +44,9 @@ if str(ROOT) not in sys.path:
 
 from bench.pd_ab import machine, stream  # noqa: E402
 
-WAITS = ("Condition.wait", "Event.wait", "sleep", "_wait_open", "select", "poll (", "orchestrator.py:302",
-         "SimpleQueue.get", "queue.py", "socket.py", "recv")  # an innermost frame that only waits
+WAITS = ("Condition.wait", "Event.wait", "sleep", "_wait_open", "select", "poll (", "SimpleQueue.get",
+         "queue.py", "socket.py", "recv", "exit_when_orphaned", "orchestrator.py:302",
+         "sending.py:108")  # an innermost frame that only waits (the last three: a C-level wait there)
 CATEGORIES = (  # first match wins, checked innermost frame first
     ("model compute", ("rngd_pd/model/",)),
     ("kv transport", ("rngd_pd/kv/", "kv_io.py")),

@@ -205,32 +205,37 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
 REDUCED_LAYERS = 1  # --stage reduced: the decoder layers of the model that is compiled to the binary
 
 
-def compile_scope(stage: str, layers: int = REDUCED_LAYERS) -> str:
+def compile_scope(stage: str, layers: int | None = None) -> str:
     """What `rngd --compile-only --stage <stage>` checked, in one sentence (printed with the table)."""
     whole = "the whole model (every decoder layer)"
+    n = layers or REDUCED_LAYERS
+    fewer = (f"the same graphs with {n} decoder layer{'s' if n != 1 else ''} (same widths and shapes; "
+             "the other layers are the same ops)")
+    model = fewer if layers else whole
     return {"import": f"furiosa's decompositions + DFG import (where ops are refused) of {whole}",
-            "lower": f"import + lowering of {whole}",
-            "compile": f"the whole compiler, down to the binary, of {whole}",
-            "reduced": (f"import of {whole}, then the whole compiler down to the binary of the same graphs "
-                        f"with {layers} decoder layer{'s' if layers != 1 else ''} (same widths and shapes; "
-                        "the other layers are the same ops). Nothing runs: no card"),
-            }[stage]
+            "lower": f"import + lowering of {model}",
+            "compile": f"the whole compiler, down to the binary, of {model}",
+            "reduced": f"import of {whole}, then the whole compiler down to the binary of {fewer}",
+            }[stage] + ". Nothing runs: no card"
 
 
-def compile_only(kind: str, shapes: GraphShapes, stage: str = "import",
-                 layers: int = REDUCED_LAYERS, per_graph_timeout: float = 7200.0) -> list[Check]:
+def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", layers: int | None = None,
+                 per_graph_timeout: float = 7200.0, no_cache: bool = False) -> list[Check]:
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
     `stage` (import: every op accepted, ~40 s a graph on 2 cores; compile: the binary, far longer;
-    reduced: import of the whole model, then compile of a `layers`-layer model, compile_scope)."""
+    reduced: import of the whole model, then compile of a `layers`-layer model, compile_scope);
+    `layers` also reduces lower and compile. `no_cache`: a real compile, not furiosa's cache."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
     from rngd_pd.devices.rngd import compile_check
 
-    passes = [("import", None), ("compile", layers)] if stage == "reduced" else [(stage, None)]
+    passes = ([("import", None), ("compile", layers or REDUCED_LAYERS)] if stage == "reduced" else
+              [(stage, None if stage == "import" else layers)])
     checks = []
     for target, n in passes:
-        for r in compile_check(shapes, stage=target, layers=n, per_graph_timeout=per_graph_timeout):
+        for r in compile_check(shapes, stage=target, layers=n, per_graph_timeout=per_graph_timeout,
+                               no_cache=no_cache):
             secs = r.get("seconds") or {}
             total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
             refused = ", ".join(r.get("refused_ops") or [])
@@ -266,8 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stage", default="import", choices=("import", "lower", "compile", "reduced"),
                    help="--compile-only: how far the compiler goes (import: every op accepted; reduced: "
                         "import of the whole model + the binary of a --layers model, what CI runs)")
-    p.add_argument("--layers", type=int, default=REDUCED_LAYERS,
-                   help="--stage reduced: decoder layers of the model compiled to the binary")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"--stage lower/compile/reduced: compile a model of only N decoder layers "
+                        f"(reduced: {REDUCED_LAYERS})")
+    p.add_argument("--no-cache", action="store_true", help="--compile-only: bypass furiosa's compile cache")
     p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
     p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
@@ -295,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compile_only:
             print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage, args.layers)}; "
                   f"shapes {shapes.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
-            checks = compile_only(args.device, shapes, args.stage, args.layers, args.timeout)
+            checks = compile_only(args.device, shapes, args.stage, args.layers, args.timeout, args.no_cache)
         else:
             dev, ref = device_runtime(args.device, args.device_id, args.dtype)
             rtol = 1e-3 if args.dtype == "fp32" else 5e-2

@@ -517,8 +517,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-threads", type=int, default=os.cpu_count() or 2, help="vLLM's OpenMP threads")
     ap.add_argument(
         "--vllm-bind",
-        default="nobind",
-        help="vLLM thread binding: nobind (default; a shared host), cores (pin to 0..threads-1), or a mask",
+        default="cores",
+        help="vLLM thread binding: cores (default: pin to 0..threads-1, vLLM's own advice), nobind "
+        "(the OS places them; tried on the loaded shared host, no better there), or a mask",
     )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-max-model-len", type=int, default=0, help="0 = fit the longest point")

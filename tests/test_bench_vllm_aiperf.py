@@ -71,7 +71,7 @@ def test_sweep_builds_vllm_command_from_its_flags(tmp_path: Path) -> None:
     assert argv[argv.index("--max-model-len") + 1] == "2048"  # 512 + 128 fits in the smallest size
     assert argv[argv.index("--max-num-seqs") + 1] == str(a.num_slots)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["OMP_NUM_THREADS"] == "2"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and info["bind"] == "nobind"  # the default
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and info["bind"] == "cores"  # the default
     big = _args("--shapes", "3000x200", "--trace", "")
     assert sweep.vllm_max_model_len(big) == 4096
 

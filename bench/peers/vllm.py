@@ -198,8 +198,8 @@ def server_env(threads: int, kv_cache_gib: int, bind: str = "cores") -> dict[str
     """Environment of the vLLM CPU server: KV cache size (GiB), OpenMP threads and their binding.
 
     bind `cores`: vLLM pins its threads to cores 0..threads-1 (KMP_AFFINITY; best on a quiet host);
-    `nobind`: the OS places them (on a shared, loaded host pinned threads that spin at barriers were
-    seen to collapse: 2.8 tok/s for one stream at load average ~20); anything else is passed as is.
+    `nobind`: the OS places them (tried on the shared host under load average ~20, where pinned threads
+    gave 2.8 tok/s for one stream: no better); anything else is passed as is.
     """
     mask = {"cores": f"0-{threads - 1}" if threads > 1 else "0"}.get(bind, bind)
     return {

@@ -183,6 +183,29 @@ def test_sigterm_while_models_load_stops_at_once(tmp_path: Path) -> None:
     assert processes_mentioning(str(repo)) == []
 
 
+@pytest.mark.e2e
+def test_a_tritonserver_killed_while_loading_is_started_again(tmp_path: Path) -> None:
+    """Triton 2.51 sometimes aborts while it loads the models (lock_exception, heavily loaded hosts):
+    serve starts it again under its restart policy instead of giving up."""
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param",
+            "abort_first_start=true", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("serve: ready") or time.monotonic() > deadline:
+                break
+        out = "".join(seen)
+        assert "tritonserver was killed by signal 6 while loading the models; restarting" in out, out[-2000:]
+        assert "tritonserver ready again" in out and proc.poll() is None
+    finally:
+        stop_and_reap(proc, repo)
+
+
 def _stub_cmdlines(repo: Path) -> list[str]:
     out = []
     for pid in processes_mentioning(str(repo)):

@@ -238,7 +238,15 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
     import tempfile
 
     from rngd_pd.triton.server import TritonServerError, stop_process_group
-    from rngd_pd.triton.supervisor import ENV_RESTARTS, FAILED, STARTING, STOPPING, RestartPolicy, Supervisor
+    from rngd_pd.triton.supervisor import (
+        ENV_RESTARTS,
+        FAILED,
+        STARTING,
+        STOPPING,
+        Failure,
+        RestartPolicy,
+        Supervisor,
+    )
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -258,9 +266,18 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
         try:
             server.wait_ready(args.ready_timeout, cancel=stop)
         except TritonServerError as exc:
-            print(f"serve: {exc}", file=sys.stderr)
-            supervisor.set_status(FAILED, str(exc).splitlines()[0])
-            return 0 if stop.is_set() else 1
+            signal_no = -(server.proc.returncode or 0) if server.proc is not None else 0
+            if stop.is_set() or signal_no <= 0:  # a model that cannot load: restarting cannot help
+                print(f"serve: {exc}", file=sys.stderr)
+                supervisor.set_status(FAILED, str(exc).splitlines()[0])
+                return 0 if stop.is_set() else 1
+            # killed by a signal while loading: Triton 2.51's Python backend aborts with
+            # boost::interprocess::lock_exception now and then on a heavily loaded host
+            print(f"serve: {str(exc).splitlines()[0]}", file=sys.stderr)
+            crashed = Failure(f"was killed by signal {signal_no} while loading the models")
+            code = supervisor.recover(crashed)
+            if code is not None:
+                return code
         stubs = supervisor.watching()
         print(f"serve: ready in {time.monotonic() - t0:.1f} s; watching {len(stubs)} model stubs "
               f"({', '.join(f'{s.instance} pid {s.pid}' for s in stubs) or 'none'})", flush=True)

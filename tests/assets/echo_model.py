@@ -6,6 +6,8 @@ errors), metrics (airm_* families). Not a stand-in for the real models.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ class EchoParams(params.ServingParams):
                                  "threads running while another sends: what the race needs)")
     send_all_outputs: bool = params.param(False, help="put every output in each response, requested "
                                           "or not: Triton 2.51 then prunes them in C++ (the crash)")
+    abort_first_start: bool = params.param(False, help="SIGABRT tritonserver while loading, at its first "
+                                           "start only (what Triton's lock_exception abort looks like)")
 
 
 class TritonPythonModel:
@@ -32,6 +36,9 @@ class TritonPythonModel:
         self.params = params.parse_params(EchoParams, args["model_config"])
         self.metrics = metrics.triton_metrics(args["model_name"])
         time.sleep(self.params.init_delay_s)
+        if self.params.abort_first_start and os.environ.get("RNGD_PD_SERVER_RESTARTS") == "0":
+            os.kill(os.getppid(), signal.SIGABRT)
+            time.sleep(30)
         pbutils.log(f"echo: {params.describe(self.params)}")
 
     def execute(self, requests: list) -> None:

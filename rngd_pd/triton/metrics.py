@@ -83,7 +83,7 @@ COUNTERS: dict[str, str] = {
     PREFIX_HITS: "prompt tokens whose KV came from the prefix cache (not computed)",
     PREFILL_PATH: "requests by where their prompt was prefilled: remote (hand-off) or local (decode)",
 }
-GAUGES[PREFIX_HIT_RATE] = "prefix cache hits over queries (tokens) since start"
+FEATURE_GAUGES: dict[str, str] = {PREFIX_HIT_RATE: "prefix cache hits over queries (tokens) since start"}
 LOAD_PUBLISHER = {"all": "decode", "decode": "decode", "gateway": "pd", "prefill": "prefill"}
 BUCKETS: dict[str, list[float]] = {
     TTFT_HIST: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
@@ -281,7 +281,7 @@ class TritonSink:
             family = self._families.get(name)
             if family is None:
                 kind = "HISTOGRAM" if name in HISTOGRAMS else "COUNTER" if name in COUNTERS else "GAUGE"
-                described = {**GAUGES, **LOAD_GAUGES, **HISTOGRAMS, **COUNTERS}
+                described = {**GAUGES, **LOAD_GAUGES, **FEATURE_GAUGES, **HISTOGRAMS, **COUNTERS}
                 family = pbutils.metric_family(name, described[name], kind)
                 self._families[name] = family
             extra = {"buckets": BUCKETS[name]} if name in HISTOGRAMS else {}

@@ -206,6 +206,25 @@ def test_a_tritonserver_killed_while_loading_is_started_again(tmp_path: Path) ->
         stop_and_reap(proc, repo)
 
 
+@pytest.mark.e2e
+def test_a_tritonserver_that_hangs_while_loading_is_restarted_then_given_up(tmp_path: Path) -> None:
+    """A start that never gets ready (Triton 2.51 waiting for a stub whose launch handshake failed) is
+    stopped at --ready-timeout and retried under the policy; past it serve exits 1 saying why."""
+    require_tritonserver()
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param", "init_delay_s=60",
+            "--ready-timeout", "8", "--max-restarts", "1", "--http-port", "0", "--grpc-port", "0",
+            "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 1, out[-2000:]
+        assert "did not become ready in 8 s (stopped it); restarting tritonserver (restart 1)" in out
+        assert "giving up" in out
+    finally:
+        stop_and_reap(proc, repo)
+
+
 def _stub_cmdlines(repo: Path) -> list[str]:
     out = []
     for pid in processes_mentioning(str(repo)):

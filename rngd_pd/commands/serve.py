@@ -267,14 +267,17 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
             server.wait_ready(args.ready_timeout, cancel=stop)
         except TritonServerError as exc:
             signal_no = -(server.proc.returncode or 0) if server.proc is not None else 0
-            if stop.is_set() or signal_no <= 0:  # a model that cannot load: restarting cannot help
+            hung = "not ready after" in str(exc)
+            if stop.is_set() or (signal_no <= 0 and not hung):  # a model that cannot load: no retry
                 print(f"serve: {exc}", file=sys.stderr)
                 supervisor.set_status(FAILED, str(exc).splitlines()[0])
                 return 0 if stop.is_set() else 1
-            # killed by a signal while loading: Triton 2.51's Python backend aborts with
-            # boost::interprocess::lock_exception now and then on a heavily loaded host
+            # Triton 2.51 on a heavily loaded host: its Python backend aborts while loading
+            # (boost::interprocess::lock_exception), or its stub-launch handshake fails and it waits
+            # for a stub that never exits; both are retried under the restart policy
             print(f"serve: {str(exc).splitlines()[0]}", file=sys.stderr)
-            crashed = Failure(f"was killed by signal {signal_no} while loading the models")
+            crashed = Failure(f"did not become ready in {args.ready_timeout:.0f} s (stopped it)" if hung else
+                              f"was killed by signal {signal_no} while loading the models")
             code = supervisor.recover(crashed)
             if code is not None:
                 return code

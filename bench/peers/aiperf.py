@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers import process  # noqa: E402
+
 VENV = ROOT / ".cache" / "peers" / "aiperf-venv"
 PACKAGE = "aiperf==0.13.0"
 # aiperf's offline mode (HF_HUB_OFFLINE) looks a local tokenizer folder up in the hub cache and fails;
@@ -54,11 +59,7 @@ def executable(venv: Path = VENV) -> Path:
 
 
 def installed(venv: Path = VENV) -> bool:
-    py = venv / "bin" / "python"
-    if not py.exists():
-        return False
-    r = subprocess.run([str(py), "-c", "import aiperf"], capture_output=True, check=False)
-    return r.returncode == 0 and executable(venv).exists()
+    return process.venv_imports(venv, "import aiperf") and executable(venv).exists()
 
 
 def install(venv: Path = VENV, log: Path | None = None) -> Path:

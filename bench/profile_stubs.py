@@ -25,9 +25,7 @@ figures go to docs/benchmarks.md; `--keep DIR` keeps the raw py-spy files (flame
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -42,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.pd_ab import machine, stream  # noqa: E402
+from bench.pd_ab import machine, servers, stream  # noqa: E402
 
 WAITS = ("Condition.wait", "Event.wait", "sleep", "_wait_open", "select", "poll (", "SimpleQueue.get",
          "queue.py", "socket.py", "recv", "exit_when_orphaned", "orchestrator.py:302",
@@ -143,19 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="keep the raw py-spy files here")
     args = ap.parse_args(argv)
-    from rngd_pd.triton.server import ServerConfig, TritonServer
-
     rows = []
-    with contextlib.ExitStack() as stack:
-        repo = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-prof-")))
-        for model in ("prefill", "decode", "pd"):
-            (repo / model).symlink_to(ROOT / "model_repository" / model, target_is_directory=True)
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        shm = stack.enter_context(tempfile.TemporaryDirectory(dir=base))
-        cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0,
-                           env={"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm})
-        server = stack.enter_context(TritonServer(cfg, log=repo / "tritonserver.log"))
-        server.wait_ready(900)
+    with servers({"profiled": {}}) as started, tempfile.TemporaryDirectory(prefix="rngd-pd-prof-") as tmp:
+        server, repo = started["profiled"], Path(tmp)
         stream(server.grpc_url, list(range(1000, 1000 + args.prompt_len)), 4)  # warm-up
         for n in (int(s) for s in args.streams.split(",")):
             stop, done = threading.Event(), []

@@ -17,7 +17,7 @@ from rngd_pd import errors
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.triton import tensors as T
 from rngd_pd.triton.inputs import sampling_inputs, sampling_params
-from rngd_pd.triton.orchestrator import CONTEXT, Chunk, Orchestrator
+from rngd_pd.triton.orchestrator import CONTEXT, Chunk, Orchestrator, RunStats
 
 
 class FakeModels:
@@ -120,7 +120,7 @@ def test_the_local_prefill_length_is_asked_once_and_can_be_turned_off() -> None:
     assert off.described == 0
 
 
-def test_by_default_a_short_prompt_is_prefilled_locally_only_while_a_prefill_is_in_flight() -> None:
+def test_by_default_a_short_prompt_is_prefilled_locally_only_where_it_waits_less() -> None:
     release = threading.Event()
 
     class SlowPrefill(FakeModels):
@@ -136,12 +136,55 @@ def test_by_default_a_short_prompt_is_prefilled_locally_only_while_a_prefill_is_
     long = threading.Thread(target=orch.run, args=(list(range(1, 20)), params, True, lambda c: None))
     long.start()
     deadline = time.monotonic() + 10
-    while orch._remote == 0 and time.monotonic() < deadline:
+    while orch.queued_tokens() != (19, 0) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert orch.run([1, 2], params, True, lambda c: None).local_prefill  # it would queue: decode does it
+    assert orch.queued_tokens() == (19, 0)  # a finished request leaves its queue
     release.set()
     long.join(10)
+    assert orch.queued_tokens() == (0, 0)
     assert not orch.run([1, 2], params, True, lambda c: None).local_prefill
+
+
+def test_short_prompts_fill_both_queues_instead_of_all_going_to_decode() -> None:
+    """Many short prompts at once while one 4-token prefill runs: decode takes those that fit
+    under the prefill queue's tokens, the rest queue for prefill (no all-local pile-up on decode)."""
+    release, local_started = threading.Event(), threading.Event()
+
+    class Held(FakeModels):
+        def infer(self, model, inputs, outputs):
+            release.wait(10)
+            return super().infer(model, inputs, outputs)
+
+        def stream(self, model, inputs, outputs):
+            if T.INPUT_IDS in inputs:  # a local prefill: hold it until released
+                local_started.set()
+                release.wait(10)
+            yield from super().stream(model, inputs, outputs)
+
+    models = Held(local_tokens=5)
+    orch = Orchestrator(models, models)
+    params = SamplingParams(max_tokens=2)
+    runs: list[RunStats] = []
+
+    def run(ids: list[int]) -> None:
+        runs.append(orch.run(ids, params, True, lambda c: None))
+
+    threads = [threading.Thread(target=run, args=(ids,)) for ids in ([1, 2, 3, 4], [5, 6], [7, 8], [9, 10])]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while orch.queued_tokens() != (4, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for t in threads[1:]:
+        t.start()
+    while sum(orch.queued_tokens()) != 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert orch.queued_tokens() == (6, 4)  # two 2-token prompts fit under 4 queued tokens; one did not
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(r.local_prefill for r in runs) == [False, False, True, True]
+    assert orch.queued_tokens() == (0, 0)
     with pytest.raises(errors.ConfigError, match="local_prefill_when"):
         Orchestrator(models, models, local_prefill_when="sometimes")
 

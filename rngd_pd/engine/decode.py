@@ -244,13 +244,14 @@ class DecodeEngine:
             entry = self._requests.get(key)
             return key in self._tombstones or (entry is not None and entry.cancel_asked)
 
-    def time_step(self, repeat: int = 5, position: int = 64) -> float:
-        """Median seconds of one decode step over every slot of the first bucket, each at `position`
-        (calibration; only before start(): it writes scratch K/V that requests overwrite)."""
+    def time_step(self, repeat: int = 5, position: int = 64, rows: int | None = None) -> float:
+        """Median seconds of one decode step over `rows` slots (default: every slot) of the first
+        bucket, each at `position` (calibration; only before start(): it writes scratch K/V that
+        requests overwrite)."""
         if self._running:
             raise RngdPdError("time_step measures an idle engine; call it before start()")
         b = self.buckets[0]
-        rows = b.slots
+        rows = b.slots if rows is None else max(1, min(rows, b.slots))
         b._np[:, :rows] = [[1] * rows, [min(position, b.max_len - 1)] * rows, list(range(rows))]
         times = []
         with self.runtime.inference():

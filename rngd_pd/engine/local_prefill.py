@@ -5,9 +5,11 @@ A hand-off costs a short prompt more than its prefill: a round trip to the prefi
 and pull. Prefilling it on the decode instance instead costs the running streams at most the
 prefill's time (it runs on a loader thread beside the scheduler, sharing the cores the prefill
 instance would have used anyway). So a prompt is prefilled locally when its prefill takes at most
-`budget_steps` (8) batched decode steps at full width, measured on this host at load: a stream loses
-at most about that much once per local request, while the short request skips the queue and the
-hand-off. Dynamo (`max_local_prefill_length`) and llm-d (the P/D decider's
+`budget_steps` (8) one-row decode steps, measured on this host at load: a stream loses at most about
+that much once per local request, while the short request skips the queue and the hand-off. The
+one-row step is the yardstick because it does not grow with `num_slots`: measured at full width (a
+32-slot step is ~6x a one-row step here) the budget admitted 512-token prompts, which then stalled
+every running stream for a whole prefill each. Dynamo (`max_local_prefill_length`) and llm-d (the P/D decider's
 `threshold`) decide the same way, with a configured length; here it is measured unless given.
 """
 
@@ -45,10 +47,10 @@ def _median_s(run: Any, repeat: int) -> float:
 
 def measure(prefill: Any, decode: Any, budget_steps: float = BUDGET_STEPS,
             lengths: tuple[int, ...] = LENGTHS) -> Threshold:
-    """The prompt length whose prefill (PrefillEngine) takes budget_steps full-width steps of the
+    """The prompt length whose prefill (PrefillEngine) takes budget_steps one-row steps of the
     DecodeEngine `decode` (interpolated between the measured `lengths`); call before decode starts."""
-    step_s = decode.time_step()
-    rows = decode.buckets[0].slots
+    rows = 1
+    step_s = decode.time_step(rows=rows)
     budget = budget_steps * step_s
     vocab, params = prefill.config.vocab_size, SamplingParams(max_tokens=1)
     timed: dict[int, float] = {}
@@ -69,7 +71,7 @@ def measure(prefill: Any, decode: Any, budget_steps: float = BUDGET_STEPS,
                 chosen = int(n0 + (budget - t0) / (timed[n] - t0) * (n - n0))
             break
         chosen, last = n, (n, timed[n])
-    what = f"{budget_steps:g} decode steps at {rows} rows ({step_s * 1e3:.1f} ms each)"
+    what = f"{budget_steps:g} decode steps of {rows} row ({step_s * 1e3:.1f} ms each)"
     reason = (f"measured: a {chosen}-token prefill takes about {what}" if chosen else
               f"measured: even a {lengths[0]}-token prefill takes more than {what}")
     return Threshold(chosen, reason, step_s, timed)

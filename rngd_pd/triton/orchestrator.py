@@ -13,10 +13,13 @@ Triton 2.51 cannot cancel a BLS stream from the caller, so pd sends decode a sma
 Conditional disaggregation: a prompt of at most `local_prefill_tokens` tokens (decode's measured
 length, asked for once with `describe`) goes to decode with its ids, and decode prefills it itself: no
 prefill call, no hand-off; decode's stream then starts with the first token. By default (`when="busy"`)
-only while this pd has a prefill in flight: a short prompt would then queue behind it, whereas an
-idle prefill instance serves it at the cost of a hand-off and leaves decode's cores to the running
-streams (Dynamo's rule also weighs the prefill queue). `when="always"` goes by length alone. A request
-whose prefill server llm-d named (`prefill_at`) always hands off: the endpoint picker has decided.
+only where it waits less: the prompt tokens this pd has in flight to the prefill model (sent, no
+first token yet) outnumber those it has in flight to decode's local prefills, this prompt included.
+An idle prefill instance serves a short prompt at the cost of a hand-off and leaves decode's cores to
+the running streams; a busy one would make it queue; and with many short prompts at once the two
+queues fill alike instead of decode taking them all (Dynamo's rule also weighs the prefill queue).
+`when="always"` goes by length alone. A request whose prefill server llm-d named (`prefill_at`)
+always hands off: the endpoint picker has decided.
 
 Each emitted `Chunk` carries up to `CONTEXT` ids that precede its tokens, so a stateless postprocess
 can detokenize streaming-safely (see `rngd_pd.triton.text_models.text_delta`).
@@ -52,7 +55,7 @@ JOIN_S = 2.0
 CHOSEN_CLIENTS = 16  # gRPC clients to prefill servers named per request, kept open (most recent)
 ASK_AGAIN_S = 30.0  # a decode that did not say its local prefill length is asked again after this
 AUTO = -1  # local_prefill_tokens: ask decode
-LOCAL_WHEN = ("busy", "always")  # local prefill only while a prefill is in flight, or by length alone
+LOCAL_WHEN = ("busy", "always")  # local prefill where its queue is shorter, or by length alone
 
 
 class ModelClient(Protocol):
@@ -94,6 +97,8 @@ class RunStats:
     tokens: int = 0
     finish_reason: str = ""
     local_prefill: bool = False  # prefilled by decode itself (no hand-off)
+    prompt_len: int = 0
+    queued: bool = True  # its prompt still counts in a prefill queue (Orchestrator._prefill_here)
     extra: dict = field(default_factory=dict)
 
 
@@ -158,8 +163,8 @@ class Orchestrator:
         self.prefill, self.decode = prefill, decode
         self._local_tokens = local_prefill_tokens
         self._local_when = local_prefill_when
-        self._remote = 0  # this pd's prefill calls in flight
-        self._remote_lock = threading.Lock()
+        self._queued = {False: 0, True: 0}  # prompt tokens in flight, no first token yet: remote, local
+        self._queue_lock = threading.Lock()
         self._asked_at = -ASK_AGAIN_S
         self._ask_lock = threading.Lock()
         self.prefill_model, self.decode_model = prefill_model, decode_model
@@ -223,8 +228,17 @@ class Orchestrator:
         if not input_ids:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
         params.validate()
-        stats = RunStats(new_key(), time.monotonic())
+        stats = RunStats(new_key(), time.monotonic(), prompt_len=len(input_ids))
         stats.local_prefill = self._prefill_here(len(input_ids), prefill_at)
+        try:
+            self._run(input_ids, params, stream, emit, cancelled, prefill_at, stats)
+        finally:
+            self._dequeue(stats)
+        return stats
+
+    def _run(self, input_ids: list[int], params: SamplingParams, stream: bool,
+             emit: Callable[[Chunk], None], cancelled: Callable[[], bool], prefill_at: str | None,
+             stats: RunStats) -> None:
         responses: queue.SimpleQueue = queue.SimpleQueue()
         pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses,
                                   input_ids if stats.local_prefill else None)
@@ -236,6 +250,7 @@ class Orchestrator:
                 ready = _drain(responses)
                 _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
                 stats.first_token_at = time.monotonic()
+                self._dequeue(stats)
                 out.add([first])
             self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
@@ -245,26 +260,31 @@ class Orchestrator:
                 exc.key = stats.key
             raise
         stats.end, stats.tokens = time.monotonic(), len(out.ids)
-        return stats
 
     def _prefill_here(self, prompt_len: int, prefill_at: str | None) -> bool:
-        """Whether decode prefills this prompt itself (module docstring)."""
-        if prefill_at or prompt_len > self.local_prefill_tokens():
-            return False
-        with self._remote_lock:
-            return self._local_when == "always" or self._remote > 0
+        """Whether decode prefills this prompt itself (module docstring); counts the prompt's tokens
+        in the queue it joins until its first token (`_dequeue`)."""
+        local = (not prefill_at and prompt_len <= self.local_prefill_tokens())
+        with self._queue_lock:
+            if local and self._local_when == "busy":
+                local = self._queued[True] + prompt_len <= self._queued[False]
+            self._queued[local] += prompt_len
+        return local
 
-    def _prefill(self, client: ModelClient, key: str, input_ids: list[int], params: SamplingParams) -> int:
-        with self._remote_lock:
-            self._remote += 1
-        try:
-            return self._prefill_remote(client, key, input_ids, params)
-        finally:
-            with self._remote_lock:
-                self._remote -= 1
+    def queued_tokens(self) -> tuple[int, int]:
+        """Prompt tokens in flight without a first token yet: (to prefill, to decode's local prefill)."""
+        with self._queue_lock:
+            return self._queued[False], self._queued[True]
 
-    def _prefill_remote(self, client: ModelClient, key: str, input_ids: list[int],
-                        params: SamplingParams) -> int:
+    def _dequeue(self, stats: RunStats) -> None:
+        """The request's prompt left its prefill queue (first token, or the request ended); once."""
+        with self._queue_lock:
+            if stats.queued:
+                self._queued[stats.local_prefill] -= stats.prompt_len
+                stats.queued = False
+
+    def _prefill(self, client: ModelClient, key: str, input_ids: list[int],
+                 params: SamplingParams) -> int:
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
                   **sampling_inputs(params, with_max_tokens=False)}
@@ -315,6 +335,7 @@ class Orchestrator:
                 raise errors.RngdPdError("decode ended the request: error", key=key)
             if ids and not stats.first_token_at:  # decode prefilled it: its first token is the first
                 stats.first_token_at = time.monotonic()
+                self._dequeue(stats)
             out.add(ids, reason)
             if reason:
                 stats.finish_reason = reason

@@ -73,12 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
     ap.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--share-cores", action="store_true",
+                    help="lend the scheduler the idle cores, as served (rngd_pd.devices.cores)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], progress=False)
     ids = (loaded.tokenizer.encode("the cat sat on the mat. " * args.prompt_len))[: args.prompt_len]
+    if args.share_cores:
+        from rngd_pd.devices.runtime import as_runtime
+
+        runtime = as_runtime(loaded)
+        print(f"cores: {runtime.share_cores('decode')}")
+        loaded = runtime
     kv_dtype = DTYPES[args.kv_dtype]
     pre = PrefillEngine(loaded, kv_dtype).prefill("bench", ids, SamplingParams(max_tokens=args.max_tokens))
     rows = [run_batch(loaded, pre, int(b), args.max_tokens, kv_dtype) for b in args.batches.split(",")]

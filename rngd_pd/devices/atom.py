@@ -183,6 +183,9 @@ class AtomRuntime:
     def to_device(self, tensor: Any) -> Any:
         return tensor
 
+    def compute_thread(self) -> None:
+        """Nothing is kept per thread."""
+
     def memory(self) -> MemoryInfo:
         from rngd_pd.devices.torch_runtime import _host_memory
 

@@ -340,6 +340,9 @@ class RngdRuntime:
     def to_device(self, tensor: Any) -> Any:
         return tensor  # uploaded by the worker call that uses it
 
+    def compute_thread(self) -> None:
+        """Nothing is kept per thread."""
+
     def memory(self) -> MemoryInfo:  # pragma: no cover - hardware only
         header, _ = self.worker.call("memory")
         return MemoryInfo(int(header["total"]), int(header["free"]), header.get("detail", {}))

@@ -70,6 +70,11 @@ class DeviceRuntime(Protocol):
     device: Device
     loaded: Any  # the LoadedModel: config, tokenizer, fingerprint
 
+    def compute_thread(self) -> None:
+        """The calling thread runs the graphs from now on (an engine's scheduler calls it once at
+        its start); a runtime that keeps per-thread state binds it here, others do nothing."""
+        ...
+
     def prepare(self, shapes: GraphShapes) -> None:
         """Build (compile, or load from the artifact cache) every graph `shapes` needs, now, so that
         no request pays for it; raises naming the shape and op a compiler refused."""

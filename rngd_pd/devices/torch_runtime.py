@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ import torch
 from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rngd_pd.devices.cores import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,34 @@ class TorchRuntime:
         if on.type != self.torch_device.type:
             raise ConfigError(f"the model's weights are on {on}, the runtime is on {self.torch_device}; "
                               "one model per device (load it again for another)")
+        self.cores: CoreShare | None = None  # share_cores: idle cores lent between instances (cpu)
+
+    def share_cores(self, phase: str) -> str:
+        """Join the host's core board (rngd_pd.devices.cores) with this thread's torch threads as the
+        share; lend idle cores only where a step and a prefill give the same bits at the share and at
+        every core (checked now, ~1 s). Returns what was decided, for the load log."""
+        from rngd_pd.devices.cores import CoreShare, host_cores
+
+        if self.device.kind != "cpu":
+            return "not on a CPU: no cores to lend"
+        share, cores = torch.get_num_threads(), host_cores()
+        differs = _same_bits_on_a_thread(self, share, cores, phase) if share < cores else ""
+        lend = share < cores and not differs
+        omp = _OpenMP()
+        omp.release_team()  # a team this thread made before torch_threads applied would slow the lender
+        self.cores = CoreShare(share, omp.set_threads, cores=cores, lend=lend, get_threads=omp.get_threads)
+        if not self.cores.enabled:
+            return f"{share} threads always (no core board, see the log line before)"
+        if lend:
+            return f"{share} threads, up to {cores} while the other instances on this host are idle"
+        return f"{share} threads always: " + (differs or f"{share} of {cores} cores is all there is")
+
+    def compute_thread(self) -> None:
+        """The calling thread runs this runtime's graphs from now on: on a CPU with `share_cores`,
+        the one that may compute on lent cores (rngd_pd.devices.cores)."""
+        if self.cores is not None:
+            torch.get_num_threads()  # torch's own per-thread set-up first, so it cannot undo a lent count
+            self.cores.bind()
 
     def prepare(self, shapes: GraphShapes) -> None:
         """For decode shapes: pack the decode weights (cpu; a prefill-only instance keeps no second
@@ -79,8 +111,20 @@ class TorchRuntime:
 
     def prefill(self, tokens: torch.Tensor, past: KVList | None = None, on_layer: OnLayer | None = None,
                 kv_dtype: Any = "bf16") -> tuple[torch.Tensor, KVList]:
-        logits, kv = self.loaded.model.prefill(tokens, past=past, on_layer=on_layer,
-                                               kv_dtype=torch_dtype(kv_dtype))
+        cores = self.cores
+        if cores is None:
+            logits, kv = self.loaded.model.prefill(tokens, past=past, on_layer=on_layer,
+                                                   kv_dtype=torch_dtype(kv_dtype))
+            return self.to_host(logits).float(), kv
+
+        def layer_done(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if on_layer is not None:
+                on_layer(i, k, v)
+            cores.fit()  # the next layer runs on what is idle now
+
+        with cores.working():
+            logits, kv = self.loaded.model.prefill(tokens, past=past, on_layer=layer_done,
+                                                   kv_dtype=torch_dtype(kv_dtype))
         return self.to_host(logits).float(), kv
 
     def empty(self, shape: Sequence[int], dtype: Any) -> torch.Tensor:
@@ -100,7 +144,8 @@ class TorchRuntime:
         return host, tensor
 
     def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> torch.Tensor:
-        logits = self.loaded.model.decode_step(tokens, positions, cache, slots)
+        with self.cores.working() if self.cores is not None else contextlib.nullcontext():
+            logits = self.loaded.model.decode_step(tokens, positions, cache, slots)
         return logits if logits.device.type == "cpu" else logits.float().cpu()
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -114,6 +159,90 @@ class TorchRuntime:
             free, total = torch.cuda.mem_get_info(self.torch_device)
             return MemoryInfo(total, free, {"allocated": torch.cuda.memory_allocated(self.torch_device)})
         return _host_memory()
+
+
+class _OpenMP:
+    """The calling thread's OpenMP thread count, and nothing else: torch.set_num_threads also sets
+    the process-wide count that every other thread takes at its first parallel op (the KV loaders, a
+    local prefill), which would give them teams of their own (rngd_pd.devices.cores). A torch built
+    without libgomp falls back to torch's own setter."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+        try:
+            lib = ctypes.CDLL(gomp if os.path.exists(gomp) else None)
+            self._set, self._get = lib.omp_set_num_threads, lib.omp_get_max_threads
+            self._pause = getattr(lib, "omp_pause_resource_all", None)
+        except (OSError, AttributeError):
+            self._set = self._get = self._pause = None
+            return
+        self._set.argtypes, self._set.restype, self._get.restype = [ctypes.c_int], None, ctypes.c_int
+
+    def set_threads(self, n: int) -> None:
+        if self._set is None:
+            torch.set_num_threads(n)
+        else:
+            self._set(n)
+
+    def get_threads(self) -> int:
+        return int(self._get()) if self._get is not None else torch.get_num_threads()
+
+    def release_team(self) -> None:
+        """Let the calling thread's idle OpenMP workers go (omp_pause_hard); it gets new ones on
+        its next parallel region with more than one thread."""
+        if self._pause is not None:
+            self._pause(2)
+
+
+def _same_bits_on_a_thread(runtime: TorchRuntime, share: int, cores: int, phase: str) -> str:
+    """_same_bits_at on a thread of its own: its OpenMP team goes with it (rngd_pd.devices.cores)."""
+    result: list[str] = ["the check did not finish"]
+
+    def check() -> None:
+        torch.set_num_threads(share)
+        result[0] = _same_bits_at(runtime, share, cores, phase)
+
+    thread = threading.Thread(target=check, name="rngd-pd-cores-check")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _same_bits_at(runtime: TorchRuntime, share: int, cores: int, phase: str) -> str:
+    """"" when a decode step (rows 1..16, the widths where CPU GEMMs change code paths) and a
+    prefill give the same bits at `share` and at `cores` threads on this host; else what differed.
+    Runs on the calling thread and leaves its thread count at `share`."""
+    from rngd_pd.model.cache import KVCache
+
+    model, c = runtime.loaded.model, runtime.loaded.config
+    gen = torch.Generator().manual_seed(0)
+    runs: list[Callable[[], torch.Tensor]] = []
+    if phase in ("decode", "both"):
+        model.prepare_decode()
+        cache = KVCache(c, 16, 64, torch.bfloat16)
+        for t in cache.k + cache.v:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        for b in (1, 2, 3, 5, 7, 8, 11, 16):
+            toks = torch.randint(0, c.vocab_size, (b,), generator=gen)
+            pos = torch.randint(0, 63, (b,), generator=gen)
+            runs.append(lambda toks=toks, pos=pos, b=b: model.decode_step(toks, pos, cache, torch.arange(b)))
+    if phase in ("prefill", "both"):
+        ids = torch.randint(0, c.vocab_size, (96,), generator=gen)
+        runs.append(lambda: model.prefill(ids)[0])
+    try:
+        with torch.inference_mode():
+            for i, run in enumerate(runs):
+                torch.set_num_threads(share)
+                a = run()
+                torch.set_num_threads(cores)
+                if not torch.equal(a, run()):
+                    what = "a prefill" if phase != "decode" and i == len(runs) - 1 else "a decode step"
+                    return f"{what} gives other bits at {cores} threads than at {share}"
+    finally:
+        torch.set_num_threads(share)
+    return ""
 
 
 class _Uploaded:

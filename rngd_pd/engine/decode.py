@@ -330,6 +330,7 @@ class DecodeEngine:
 
     # ---- scheduler thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        self.runtime.compute_thread()
         with self.runtime.inference():
             while True:
                 with self._lock:

@@ -9,8 +9,9 @@ instance would have used anyway). So a prompt is prefilled locally when its pref
 that much once per local request, while the short request skips the queue and the hand-off. The
 one-row step is the yardstick because it does not grow with `num_slots`: measured at full width (a
 32-slot step is ~6x a one-row step here) the budget admitted 512-token prompts, which then stalled
-every running stream for a whole prefill each. Dynamo (`max_local_prefill_length`) and llm-d (the P/D decider's
-`threshold`) decide the same way, with a configured length; here it is measured unless given.
+every running stream for a whole prefill each. Dynamo (`max_local_prefill_length`) and llm-d (the
+P/D decider's `threshold`) decide the same way, with a configured length; here it is measured unless
+given.
 """
 
 from __future__ import annotations

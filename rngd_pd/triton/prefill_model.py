@@ -59,6 +59,7 @@ class PrefillModel:
         self.transport_name = p.kv_transport
         self.service = PrefillService(load_for(p, args, "prefill"), p.transport(), p.kv_dtype,
                                       p.chunk_size, p.max_len, **p.prefix_kwargs())
+        self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0
         self.load_gauges = load_gauges("prefill", self.load, self.metrics.sink)

@@ -73,8 +73,8 @@ class PdParams:
     local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself "
                                                "(-1 = the length decode measured, 0 = always hand off)")
     local_prefill_when: str = param("busy", choices=("busy", "always"),
-                                    help="busy: prefill short prompts on decode only while a prefill is in "
-                                         "flight (they would queue behind it); always: by length alone")
+                                    help="busy: prefill a short prompt on decode when fewer prompt tokens "
+                                         "wait there than for prefill; always: by length alone")
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,8 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
 
     loaded = load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
     runtime = runtime_for(device, loaded)
+    if device.kind == "cpu" and params.share_cores:
+        pbutils.log(f"{args.get('model_instance_name', '?')}: cores: {runtime.share_cores(phase)}")
     mem = runtime.memory()
     pbutils.log(f"{args.get('model_instance_name', '?')}: runtime {type(runtime).__name__} on {device.name} "
                 f"({mem.free >> 20} of {mem.total >> 20} MiB free)")

@@ -33,11 +33,11 @@ def test_a_lone_instance_uses_every_core_and_a_busy_peer_keeps_its_share(tmp_pat
     with prefill.working():
         assert set_prefill == [4]  # decode idle: all 4 cores
         with decode.working():
-            assert prefill.fit() == 2 and set_prefill == [4, 2]  # decode's 2 are taken back
-            assert decode.fit() == 3  # prefill's 1 is taken
-        assert prefill.fit() == 2  # decode finished a moment ago: still counted (grace)
+            assert prefill.fit() == 1 and set_prefill == [4, 1]  # 4 cores split 1:2
+            assert decode.fit() == 2
+        assert prefill.fit() == 1  # decode finished a moment ago: still counted (grace)
         time.sleep(0.1)
-        assert prefill.fit() == 4 and set_prefill == [4, 2, 4]
+        assert prefill.fit() == 4 and set_prefill == [4, 1, 4]
     prefill.close()
     decode.close()
     assert not np.frombuffer(board.read_bytes(), dtype=RECORD)["pid"].any()
@@ -71,6 +71,16 @@ def test_only_the_bound_thread_computes_on_lent_cores(tmp_path: Path) -> None:
         assert cores.fit() == 2
 
 
+def test_busy_instances_split_a_big_host_instead_of_keeping_their_small_shares(tmp_path: Path) -> None:
+    board = tmp_path / "board"
+    prefill, _ = share(board, 1, cores=64)
+    decode, _ = share(board, 1, cores=64)
+    prefill.bind()
+    decode.bind()
+    with prefill.working(), decode.working():
+        assert prefill.fit() == 32 and decode.fit() == 32
+
+
 def test_without_lending_an_instance_keeps_its_share_but_still_counts(tmp_path: Path) -> None:
     board = tmp_path / "board"
     fixed, applied = share(board, 1, lend=False)
@@ -78,7 +88,7 @@ def test_without_lending_an_instance_keeps_its_share_but_still_counts(tmp_path: 
     fixed.bind()
     with fixed.working():
         assert applied == [1]
-        assert other.threads_now() == 3  # the fixed one's core is taken while it works
+        assert other.threads_now() == 2  # 4 cores split 1:1 while the fixed one works
 
 
 def test_a_dead_peers_record_is_ignored_and_reused(tmp_path: Path) -> None:

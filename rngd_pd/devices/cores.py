@@ -5,11 +5,13 @@ Disaggregation on one CPU host gives each instance a fixed share of the cores (`
 1 of 2 in the cpu config), so a lone request runs on half the machine: a 256-token prompt prefills
 in 180 ms on one core of this 2-core EPYC and in 94 ms on both; a 16-row decode step takes 36 ms on
 one and 28 ms on two. Each instance records in a small board in /dev/shm whether it is computing;
-before each unit of work (a prefill layer, a decode step) an instance takes
+before each unit of work (a prefill layer, a decode step) an instance takes the cores in proportion
+to the shares of the instances computing now, this one included:
 
-    threads = clamp(cores - the shares of the peers computing now, its own share, cores)
+    threads = max(share, floor(cores * share / (share + the shares of the peers computing now)))
 
-so two busy instances keep their shares and a lone one uses the machine. A peer counts as computing
+so a lone instance uses the machine, and busy ones split it (1 and 1 on 2 cores: one each; on 64
+cores: 32 each, where fixed shares of 1 would leave 62 idle). A peer counts as computing
 for `GRACE_S` after its last unit, so the gaps between one decode step and the next do not lend its
 cores out for a layer. `cores` is the CPUs this process may run on (affinity, and a cgroup v2 quota
 when there is one).
@@ -130,7 +132,8 @@ class CoreShare:
         return n
 
     def threads_now(self) -> int:
-        """clamp(cores - busy peers' shares - this process's other units' shares, share, cores)."""
+        """max(share, cores * share // (the shares computing now: busy peers', and this process's
+        units, this one included)) (module docstring)."""
         board = self._board
         if board is None or not self.lend:
             return self.share
@@ -144,8 +147,8 @@ class CoreShare:
         shares = board["share"][busy]
         taken = sum(int(s) for p, s in zip(pids, shares, strict=True) if int(p) not in self._dead)
         with self._lock:
-            others_here = max(0, self._computing - 1) * self.share
-        return max(self.share, min(self.cores, self.cores - taken - others_here))
+            here = max(1, self._computing) * self.share
+        return max(self.share, min(self.cores, self.cores * self.share // (here + taken)))
 
     def _publish(self) -> None:
         if self._board is not None:

@@ -5,7 +5,10 @@ engine (in this process, no Triton), per KV transport, and how much of the KV tr
                                           [--max-tokens 32] [--requests 5] [--json]
 
 For each transport it starts a relay when the transport needs one, then a tritonserver with prefill,
-decode, pd and colocated (cpu config), and streams the same prompts sequentially through both models:
+decode, pd and colocated (cpu config), and streams prompts sequentially through both models: unique
+random ids of --prompt-len tokens each, so no request reuses another's prefix (prefix cache). The bare
+engine is the in-process ColocatedEngine set up as served (a share of 1 thread, idle cores lent).
+tpot_vs_bare is issue 13's single-stream figure (goal: at most 1.15).
 
 Requests to the two layouts alternate, so a load that drifts during the run hits both alike.
 
@@ -24,6 +27,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -77,20 +81,34 @@ def summarize(runs: list[list[float]]) -> dict[str, float]:
     return {"ttft_ms": med(ttft), "gap2_ms": med(gap2), "tpot_ms": med(tpot)}
 
 
-def bare_engine(loaded: Any, ids: list[int], max_tokens: int, requests: int) -> dict[str, float]:
-    """The same measurement on the in-process ColocatedEngine (no Triton, no transfer)."""
+def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """The same measurement on the in-process ColocatedEngine (no Triton, no transfer), set up as
+    the served models are: a share of 1 torch thread, idle cores lent (`share_cores`), no prefix cache."""
+    from rngd_pd.devices.runtime import as_runtime
     from rngd_pd.engine.colocated import ColocatedEngine
     from rngd_pd.model.sampling import SamplingParams
 
+    runtime = as_runtime(loaded)
+    print(f"bare engine cores: {runtime.share_cores('both')}", file=sys.stderr)
     runs = []
-    with ColocatedEngine(loaded, num_slots=1, max_len=2048) as engine:
-        for _ in range(requests + 1):
-            t0, times = time.perf_counter(), []
-            for ev in engine.stream(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
-                if ev.token_id is not None:
-                    times.append(time.perf_counter() - t0)
-            runs.append(times)
+    try:
+        with ColocatedEngine(runtime, num_slots=1, max_len=2048) as engine:
+            for ids in prompts:
+                t0, times = time.perf_counter(), []
+                for ev in engine.stream(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                    if ev.token_id is not None:
+                        times.append(time.perf_counter() - t0)
+                runs.append(times)
+    finally:
+        if runtime.cores is not None:
+            runtime.cores.close()
     return summarize(runs[1:])
+
+
+def unique_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids: no two share a prefix block, so no prefix cache hits."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def transfer_ms(transport_name: str, loaded: Any, prompt_len: int, repeats: int = 3) -> float:
@@ -138,15 +156,17 @@ def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Nam
         server = stack.enter_context(TritonServer(cfg, log=repo / "tritonserver.log"))
         server.wait_ready(600)
         runs: dict[str, list[list[float]]] = {"colocated": [], "pd": []}
+        prompts = iter(unique_prompts(2 * (args.requests + 1), len(ids), loaded.config.vocab_size, 1))
         for _ in range(args.requests + 1):  # alternate, so drifting load hits both layouts alike
             for model, times in runs.items():
-                times.append(stream_times(server.grpc_url, model, ids, args.max_tokens))
+                times.append(stream_times(server.grpc_url, model, next(prompts), args.max_tokens))
         rows = [{"transport": name, "layout": m, **summarize(r[1:])} for m, r in runs.items()]
         xfer = transfer_ms(name, loaded, len(ids))
     handoff = rows[1]["gap2_ms"] - rows[0]["gap2_ms"]
-    rows[1].update(handoff_ms=handoff, xfer_ms=xfer, hidden=min(1.0, max(0.0, 1 - max(handoff, 0) / xfer)),
-                   ttft_vs_bare_ms=rows[1]["ttft_ms"] - bare["ttft_ms"])
-    rows[0].update(ttft_vs_bare_ms=rows[0]["ttft_ms"] - bare["ttft_ms"])
+    rows[1].update(handoff_ms=handoff, xfer_ms=xfer, hidden=min(1.0, max(0.0, 1 - max(handoff, 0) / xfer)))
+    for row in rows:
+        row.update(ttft_vs_bare_ms=row["ttft_ms"] - bare["ttft_ms"],
+                   tpot_vs_bare=row["tpot_ms"] / bare["tpot_ms"])
     return rows
 
 
@@ -167,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     # the way the models resolve it (bf16 where this CPU has native bf16, else fp32)
     choice = choose_compute_dtype(os.environ.get(ENV_DTYPE) or None, source=f"${ENV_DTYPE}")
     print(f"compute dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
+    import torch
+
+    torch.set_num_threads(1)  # the served models' share (the cpu config's torch_threads)
     loaded = load_model(None, dtype=choice.torch_dtype, progress=False)
-    ids = (loaded.tokenizer.encode("The history of the printing press. " * 64) * 8)[: args.prompt_len]
-    bare = {"transport": "-", "layout": "bare engine",
-            **bare_engine(loaded, ids, args.max_tokens, args.requests)}
+    ids = unique_prompts(1, args.prompt_len, loaded.config.vocab_size, 0)[0]  # the transfer's size
+    prompts = unique_prompts(args.requests + 1, args.prompt_len, loaded.config.vocab_size, 2)
+    bare = {"transport": "-", "layout": "bare engine", **bare_engine(loaded, prompts, args.max_tokens)}
     rows = [bare]
     for name in [t for t in args.transports.split(",") if t]:
         try:
@@ -181,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps({"prompt_len": args.prompt_len, "max_tokens": args.max_tokens, **row}))
         return 0
-    cols = ("transport", "layout", "ttft_ms", "gap2_ms", "tpot_ms", "ttft_vs_bare_ms", "handoff_ms",
-            "xfer_ms", "hidden")
+    cols = ("transport", "layout", "ttft_ms", "gap2_ms", "tpot_ms", "ttft_vs_bare_ms", "tpot_vs_bare",
+            "handoff_ms", "xfer_ms", "hidden")
     print(f"prompt {args.prompt_len} tokens, {args.max_tokens} output tokens, median of {args.requests}")
     print(" | ".join(f"{c:>15}" for c in cols))
     for row in rows:

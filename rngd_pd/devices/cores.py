@@ -178,6 +178,8 @@ def _claim(path: Path, share: int) -> tuple[np.ndarray | None, int]:
                 if os.fstat(fd).st_size not in (0, size):
                     raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, not {size}: another version")
                 os.posix_fallocate(fd, 0, size)  # ENOSPC now, on a full /dev/shm, not SIGBUS later
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o666)  # instances running as other users share it too (not umask's)
             board = np.frombuffer(mmap.mmap(fd, size), dtype=RECORD)
             free = [i for i, pid in enumerate(board["pid"]) if pid <= 0 or not _alive(int(pid))]
             if not free:

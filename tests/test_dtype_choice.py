@@ -178,7 +178,7 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
     loaded: list = []
     monkeypatch.setattr(rngd_pd.model, "load_model", lambda path, dtype, progress: loaded.append(dtype))
     monkeypatch.setattr(runtime, "runtime_for", lambda device, model: types.SimpleNamespace(
-        memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29)))
+        memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29), share_cores=lambda phase: f"lent ({phase})"))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.delenv(params.ENV_DTYPE, raising=False)
     load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
@@ -192,6 +192,7 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
             "10.0 ms vs bf16 80.0 ms per 256-token prefill") in out
     assert "prefill_0_0: compute dtype bf16 (auto (prefill, measured now on this CPU: AVX512-BF16)" in out
     assert "compute dtype fp32 (forced by $RNGD_PD_DTYPE (rngd-pd serve --dtype))" in out
+    assert "prefill_0_0: cores: lent (prefill)" in out  # the core sharing decision is logged too
 
 
 def test_devices_command_shows_the_choice(monkeypatch, capsys) -> None:

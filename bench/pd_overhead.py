@@ -83,13 +83,15 @@ def summarize(runs: list[list[float]]) -> dict[str, float]:
 
 def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """The same measurement on the in-process ColocatedEngine (no Triton, no transfer), set up as
-    the served models are: a share of 1 torch thread, idle cores lent (`share_cores`), no prefix cache."""
+    the served models are: a share of 1 torch thread, idle cores lent when `share_cores` is on for the
+    served models too, no prefix cache."""
     from rngd_pd.devices.runtime import as_runtime
     from rngd_pd.engine.colocated import ColocatedEngine
     from rngd_pd.model.sampling import SamplingParams
 
     runtime = as_runtime(loaded)
-    print(f"bare engine cores: {runtime.share_cores('both')}", file=sys.stderr)
+    if served_share_cores():
+        print(f"bare engine cores: {runtime.share_cores('both')}", file=sys.stderr)
     runs = []
     try:
         with ColocatedEngine(runtime, num_slots=1, max_len=2048) as engine:
@@ -103,6 +105,18 @@ def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[
         if runtime.cores is not None:
             runtime.cores.close()
     return summarize(runs[1:])
+
+
+def served_share_cores() -> bool:
+    """The served models' `share_cores`: $RNGD_PD_PARAM_SHARE_CORES, else the parameter's default."""
+    from dataclasses import fields
+
+    from rngd_pd.triton.params import ServingParams
+
+    value = os.environ.get("RNGD_PD_PARAM_SHARE_CORES", "")
+    if value:
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return next(f.default for f in fields(ServingParams) if f.name == "share_cores")
 
 
 def unique_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

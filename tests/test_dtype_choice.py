@@ -185,14 +185,14 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(ZEN4))
     load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
     monkeypatch.setenv(params.ENV_DTYPE, "fp32")
-    load_for(PrefillParams(dtype="fp32"), {"model_instance_name": "prefill_0_0"})
+    load_for(PrefillParams(dtype="fp32", share_cores=True), {"model_instance_name": "prefill_0_0"})
     assert loaded == [torch.float32, torch.bfloat16, torch.float32]
     out = capsys.readouterr().out
     assert ("prefill_0_0: compute dtype fp32 (auto (prefill, measured now on this CPU: AVX2 only): fp32 "
             "10.0 ms vs bf16 80.0 ms per 256-token prefill") in out
     assert "prefill_0_0: compute dtype bf16 (auto (prefill, measured now on this CPU: AVX512-BF16)" in out
     assert "compute dtype fp32 (forced by $RNGD_PD_DTYPE (rngd-pd serve --dtype))" in out
-    assert "prefill_0_0: cores: lent (prefill)" in out  # the core sharing decision is logged too
+    assert "prefill_0_0: cores: lent (both)" in out  # with share_cores on, its decision is logged too
 
 
 def test_devices_command_shows_the_choice(monkeypatch, capsys) -> None:

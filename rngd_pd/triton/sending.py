@@ -21,6 +21,7 @@ burst do not wait for the next request: held, they kept Triton from unloading pd
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -131,6 +132,11 @@ class ResponseLoop:
             self.sent += 1
         except Exception as exc:  # the client is gone or Triton refused: stop the request's work
             pbutils.log(f"{self.name}: sending a response failed ({exc}); ending the request", "verbose")
+            if not final:
+                # the final flag alone: without it the backend never releases the request, and
+                # Triton then waits on this model's unload for ever (seen after a client cancel)
+                with contextlib.suppress(Exception):
+                    pbutils.send(stream.sender, None, final=True)
             final = True
             self._cancel(stream)
         if final:

@@ -108,15 +108,12 @@ def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[
 
 
 def served_share_cores() -> bool:
-    """The served models' `share_cores`: $RNGD_PD_PARAM_SHARE_CORES, else the parameter's default."""
-    from dataclasses import fields
-
+    """The served models' `share_cores`, parsed as they parse it ($RNGD_PD_PARAM_SHARE_CORES, else
+    the parameter's default)."""
+    from rngd_pd.settings import parse_params
     from rngd_pd.triton.params import ServingParams
 
-    value = os.environ.get("RNGD_PD_PARAM_SHARE_CORES", "")
-    if value:
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return next(f.default for f in fields(ServingParams) if f.name == "share_cores")
+    return parse_params(ServingParams, {}).share_cores
 
 
 def unique_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from rngd_pd.devices import rngd, rngd_graphs
+from rngd_pd.devices import rngd, rngd_graphs, rngd_setup
 from rngd_pd.devices.base import Device
 from rngd_pd.devices.runtime import GraphShapes
 from rngd_pd.errors import DeviceUnavailableError
@@ -234,8 +234,12 @@ def test_configured_shapes_follow_the_model_repository():
 
 def _rngd_ready_or_skip():
     """In CI (CI=true) a missing environment or cross compiler fails the test; elsewhere it skips,
-    saying why."""
+    saying why. The one skip in CI: `make rngd-env` found no room on the disk for the environment
+    (rngd_setup's marker says how much it needed and had)."""
     why = None
+    no_room = rngd_setup.no_room_marker(rngd.rngd_env())
+    if rngd.rngd_python() is None and no_room.exists():
+        pytest.skip(no_room.read_text().strip())
     if rngd.rngd_python() is None:
         why = f"{rngd.rngd_env()} is missing: run `make rngd-env`"
     elif rngd_graphs.toolchain_missing():
@@ -279,3 +283,23 @@ def test_rngd_compile_only_conformance():
                         "--no-cache", "--timeout", "1500")
     assert [(r[0], r[1], r[2]) for r in rows] == [("decode@compile/1L", f"B={b},L={n}", "ok")]
     assert "binary" in " ".join(rows[0]) and conformance.compile_scope("compile", 1).startswith("the whole")
+
+
+def test_rngd_env_without_room_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rngd_setup, "NEED_FRESH", 1 << 60)
+    venv = tmp_path / "venvs" / "venv-rngd"
+    assert rngd_setup.build(venv, rngd.repo_root()) == rngd_setup.NO_ROOM_EXIT
+    why = rngd_setup.no_room_marker(venv).read_text()
+    assert "rngd-env needs about" in why and "GB free" in why and "RNGD_PD_RNGD_VENV=" in why
+    assert why.strip() in capsys.readouterr().err
+    assert not venv.exists()
+
+
+def test_a_disk_filling_during_pip_is_told_from_other_failures():
+    full = subprocess.CompletedProcess([], 1, stderr="ERROR: Could not install packages due to an "
+                                       "OSError: [Errno 28] No space left on device\n")
+    with pytest.raises(rngd_setup.NoRoom, match="the disk filled while installing torch"):
+        rngd_setup._check(full, "installing torch==2.10.0")
+    other = subprocess.CompletedProcess([], 1, stderr="ERROR: No matching distribution found\n")
+    with pytest.raises(RuntimeError, match="installing x failed \\(pip exit 1\\)"):
+        rngd_setup._check(other, "installing x")

@@ -26,9 +26,9 @@ from pathlib import Path
 
 SDK = "furiosa-torch==2026.4.0"
 EXTRAS = ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm")  # what rngd_pd.model imports
-GIB = 1 << 30
-NEED_FRESH = int(9.0 * GIB)  # measured: 7.9 GB at the peak of a fresh build (129 s), + slack
-NEED_UPDATE = 1 * GIB  # a venv that has torch already: the small packages only
+GB = 10**9
+NEED_FRESH = int(8.6 * GB)  # measured: 7.86 GB at the peak of a fresh build (129 s), + 0.7 slack
+NEED_UPDATE = 1 * GB  # a venv that has torch already: the small packages only
 NO_ROOM_EXIT = 3
 STAMP = ".installed"
 
@@ -51,8 +51,8 @@ def room_problem(venv: Path, need: int | None = None) -> str | None:
     for where in {venv.resolve().parent, Path(tempfile.gettempdir())}:
         free = _free(where)
         if free < need:
-            return (f"rngd-env needs about {need / GIB:.1f} GB free on the disk of {where} (furiosa-torch "
-                    f"pins torch 2.10, a 7.3 GB CUDA build); {free / GIB:.1f} GB free. Free some space, "
+            return (f"rngd-env needs about {need / GB:.1f} GB free on the disk of {where} (furiosa-torch "
+                    f"pins torch 2.10, a 7.3 GB CUDA build); {free / GB:.1f} GB free. Free some space, "
                     f"or build it on another disk: RNGD_PD_RNGD_VENV=/big/disk/venv-rngd make rngd-env")
     return None
 

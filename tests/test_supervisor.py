@@ -410,3 +410,74 @@ def test_a_process_exits_when_its_parent_dies() -> None:
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), f"process {pid} outlived its parent"
+
+
+def _metrics(pending: dict[str, int], runs: dict[str, int]) -> str:
+    """Triton's metrics text for the two series ProgressWatch reads (plus one it must ignore)."""
+    lines = ["# HELP nv_inference_exec_count Number of model executions performed",
+             "# TYPE nv_inference_exec_count counter"]
+    lines += [f'nv_inference_exec_count{{model="{m}",version="1"}} {n}' for m, n in runs.items()]
+    lines += [f'nv_inference_pending_request_count{{model="{m}",version="1"}} {n}'
+              for m, n in pending.items()]
+    lines.append('nv_inference_count{model="pd",version="1"} 999')
+    return "\n".join(lines) + "\n"
+
+
+def test_a_model_with_waiting_requests_and_no_executions_is_hung() -> None:
+    now = [0.0]
+    text = [_metrics({"pd": 0, "prefill": 2}, {"pd": 10, "prefill": 5})]
+    watch = S.ProgressWatch("http://x/metrics", hang_s=30.0, every_s=5.0, fetch=lambda url: text[0],
+                            clock=lambda: now[0])
+    assert watch.check() is None
+    for t, pending in [(5, 0), (10, 3), (20, 16), (34, 16)]:
+        now[0] = t  # prefill keeps executing; pd runs nothing after t=5 while its queue grows
+        text[0] = _metrics({"pd": pending, "prefill": 2}, {"pd": 12, "prefill": 5 + t})
+        assert watch.check() is None, t
+    now[0] = 38.0
+    assert watch.check() is None  # read at most every 5 s
+    now[0] = 39.0
+    failure = watch.check()
+    assert failure is not None and failure.model == "pd" and failure.pid is None
+    assert failure.describe() == ("stub of model pd is hung (16 requests waiting, none run for 34 s; "
+                                  "--hang-timeout)")
+
+
+def test_progress_watch_forgets_on_reset_and_ignores_a_silent_server() -> None:
+    now = [0.0]
+    answers: list = [_metrics({"decode": 4}, {"decode": 7})]
+
+    def fetch(url: str) -> str:
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        return answers[0]
+
+    watch = S.ProgressWatch("http://x/metrics", hang_s=10.0, every_s=1.0, fetch=fetch, clock=lambda: now[0])
+    assert watch.check() is None
+    now[0] = 5.0
+    watch.reset()  # a restarted server: the clock starts again
+    assert watch.check() is None
+    now[0] = 12.0
+    answers[0] = OSError("connection refused")
+    assert watch.check() is None
+    now[0] = 15.0
+    answers[0] = _metrics({"decode": 4}, {"decode": 7})
+    assert watch.check() is not None  # 10 s since the reset with nothing run
+    off = S.ProgressWatch("http://x/metrics", hang_s=0.0, fetch=fetch, clock=lambda: now[0])
+    assert off.check() is None
+
+
+def test_a_hung_model_restarts_tritonserver_like_a_dead_one(tmp_path: Path, proc: Path) -> None:
+    now = [0.0]
+    hung = S.ProgressWatch("http://x/metrics", hang_s=1.0, every_s=0.0,
+                           fetch=lambda url: _metrics({"pd": 3}, {"pd": 1}), clock=lambda: now[0])
+    server = FakeServer(proc)
+    sup, said, states = supervisor(tmp_path, proc, server, progress=hung)
+    server.start()
+    sup.watching()
+    assert sup.step() is None and server.starts == 1  # first sight of the queue
+    now[0] = 2.0
+    assert sup.step() is None and server.starts == 2  # hung for 2 s: restarted, ready again
+    assert said[0] == ("stub of model pd is hung (3 requests waiting, none run for 2 s; --hang-timeout); "
+                       "restarting tritonserver (restart 1)")
+    assert states == [("ready", 0), ("recovering", 1), ("ready", 1)]
+    assert sup.step() is None and server.starts == 2  # the restarted server's count starts again

@@ -225,6 +225,85 @@ def test_a_tritonserver_that_hangs_while_loading_is_restarted_then_given_up(tmp_
         stop_and_reap(proc, repo)
 
 
+def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
+    """Token ids streamed back by `echo` over gRPC, or the error text."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        inp = grpcclient.InferInput("input_ids", [len(ids)], "INT32")
+        inp.set_data_from_numpy(np.asarray(ids, dtype=np.int32))
+        client.async_stream_infer("echo", [inp], enable_empty_final_response=True)
+        out: list[int] = []
+        while True:
+            result, error = got.get(timeout=timeout)
+            if error is not None:
+                return str(error)
+            ids_ = result.as_numpy("output_ids")
+            out += [] if ids_ is None else [int(i) for i in ids_.reshape(-1)]
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    except Exception as exc:  # the test reads what happened
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+
+@pytest.mark.e2e
+def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(tmp_path: Path) -> None:
+    """A stub that never returns from execute (alive and healthy to Triton, as a deadlocked one is:
+    README, Known limits) leaves requests waiting; after --hang-timeout serve restarts tritonserver,
+    and the model answers again."""
+    require_tritonserver()
+    import threading
+
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param",
+            "stall_first_start=true", "--hang-timeout", "6", "--http-port", "0", "--grpc-port", "0",
+            "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)  # line by line
+    reader.start()
+
+    def wait_for(text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(text) for line in list(seen)):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)[-3000:]
+            time.sleep(0.2)
+        return "".join(seen)
+
+    try:
+        grpc_url = re.search(r"grpc (\S+)\s+metrics", wait_for("serve: triton http", 240))[1]
+        stuck: list = [None] * 3  # one reaches the stalled execute, two wait in Triton's queue
+
+        def ask(i: int) -> None:
+            stuck[i] = _echo_stream(grpc_url, [1, 2], 120)
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        t0 = time.monotonic()
+        out = wait_for("serve: tritonserver ready again", 150)
+        assert "serve: stub of model echo is hung (" in out, out[-3000:]
+        assert "restarting tritonserver (restart 1)" in out, out[-3000:]
+        assert 6 <= time.monotonic() - t0 < 120
+        for t in threads:
+            t.join(30)
+        assert all(isinstance(r, str) for r in stuck), stuck  # they ended with an error, not hung on
+        assert _echo_stream(grpc_url, [3, 4, 5], 60) == [3, 4, 5]
+        assert proc.poll() is None
+    finally:
+        stop_and_reap(proc, repo)
+
+
 def _stub_cmdlines(repo: Path) -> list[str]:
     out = []
     for pid in processes_mentioning(str(repo)):

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "failure)")
     p.add_argument("--restart-window", type=float, default=600.0,
                    help="seconds over which --max-restarts counts (default 600)")
+    p.add_argument("--hang-timeout", type=float, default=180.0,
+                   help="a model with requests waiting that runs none for this many seconds is hung "
+                        "(its stub alive but stuck) and tritonserver is restarted (default 180; 0 = off)")
     p.add_argument("--status-file", type=Path, default=None,
                    help="where serve keeps its JSON status (ready/recovering/failed, reason, restarts) for "
                         "the front end and exec probes (default: a file in a temporary folder)")
@@ -132,6 +135,8 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return "--role gateway needs --prefill-url and --decode-url (gRPC host:port of the other servers)"
     if args.max_restarts < 0 or args.restart_window <= 0:
         return "--max-restarts must be >= 0 and --restart-window > 0"
+    if args.hang_timeout < 0:
+        return "--hang-timeout must be >= 0 (0 = off)"
     if args.kv_transport:
         from rngd_pd.kv.registry import known_names
 
@@ -244,6 +249,7 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
         STARTING,
         STOPPING,
         Failure,
+        ProgressWatch,
         RestartPolicy,
         Supervisor,
     )
@@ -254,7 +260,8 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
     status = (args.status_file or own_dir / "status.json").resolve()  # type: ignore[operator]
     status.parent.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(server, status, stop, RestartPolicy(args.max_restarts, args.restart_window),
-                            ready_timeout_s=args.ready_timeout, watch=watch)
+                            ready_timeout_s=args.ready_timeout, watch=watch,
+                            progress=ProgressWatch(server.metrics_url, args.hang_timeout))
     frontend = None
     code = 1
     try:

@@ -8,7 +8,10 @@ in-flight streams hang for good (research/triton-2.51.md). So serve does it:
   the tritonserver pid (found once the server is ready; its argv names the model file and the instance,
   e.g. `pd_0_0`) must still exist, not be defunct (`Z`) and be the same process (start time); a log line
   "Stub process '<instance>' is not healthy" naming one of them counts too, and so does tritonserver
-  exiting by itself.
+  exiting by itself. A stub can also hang alive (Triton 2.51's Python backend has a lock cycle between
+  a BLS response iterator's mutex, its iterator map's mutex and the GIL: README, Known limits), so
+  `ProgressWatch` reads Triton's metrics every few seconds: a model with requests pending whose
+  execution count has not moved for `hang_s` (`--hang-timeout`) counts as hung.
 * **Say so at once.** The status file (`ServerStatus`, JSON, replaced atomically) turns to
   `recovering` with the reason before anything else happens; the OpenAI front end reads it on every
   request and on /health (503 with an OpenAI-shaped error), and exports the restart count.
@@ -245,6 +248,63 @@ class StubWatch:
         return None
 
 
+_SERIES = re.compile(
+    r'^(nv_inference_pending_request_count|nv_inference_exec_count)\{model="([^"]+)"[^}]*\} (\S+)$', re.M)
+
+
+def _fetch(url: str, timeout: float = 5.0) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+@dataclass
+class ProgressWatch:
+    """Models that stopped running requests while alive: pending in Triton's queue, with an execution
+    count that has not moved for `hang_s`. The decoupled models' `execute` only admits a request, so
+    their queue is empty unless the stub no longer runs `execute`; prefill's single `execute` (a
+    prompt) takes seconds, far below the default timeout."""
+
+    url: str
+    hang_s: float = 180.0
+    every_s: float = 5.0
+    fetch: Callable[[str], str] = _fetch
+    clock: Callable[[], float] = time.monotonic
+    _since: dict[str, tuple[float, float]] = field(default_factory=dict)  # model -> (exec count, since)
+    _next: float = 0.0
+
+    def reset(self) -> None:
+        """Forget what was seen (a restarted server counts from 0)."""
+        self._since.clear()
+        self._next = 0.0
+
+    def check(self) -> Failure | None:
+        now = self.clock()
+        if self.hang_s <= 0 or now < self._next:
+            return None
+        self._next = now + self.every_s
+        try:
+            text = self.fetch(self.url)
+        except Exception:  # not answering: tritonserver's own death is caught by the process check
+            return None
+        pending: dict[str, float] = {}
+        runs: dict[str, float] = {}
+        for name, model, value in _SERIES.findall(text):
+            into = pending if name == "nv_inference_pending_request_count" else runs
+            into[model] = into.get(model, 0.0) + float(value)
+        for model, waiting in pending.items():
+            count = runs.get(model, 0.0)
+            seen = self._since.get(model)
+            if waiting <= 0 or seen is None or seen[0] != count:
+                self._since[model] = (count, now)
+            elif now - seen[1] >= self.hang_s:
+                idle = now - seen[1]
+                return Failure(f"is hung ({waiting:.0f} requests waiting, none run for {idle:.0f} s; "
+                               "--hang-timeout)", model)
+        return None
+
+
 # ------------------------------------------------------------------ restart policy
 
 
@@ -306,6 +366,7 @@ class Supervisor:
     watch: StubWatch = field(default_factory=StubWatch)
     clock: Callable[[], float] = time.monotonic
     restarts: int = 0
+    progress: ProgressWatch | None = None
 
     def set_status(self, state: str, reason: str = "") -> None:
         write_status(self.status_path, ServerStatus(state, reason, self.restarts))
@@ -313,6 +374,9 @@ class Supervisor:
     def watching(self) -> list[Stub]:
         """Call once the server is ready: remember its stubs, status `ready`."""
         stubs = self.watch.snapshot(self.server.proc.pid)
+        if self.progress is not None:  # the ports are known once the server started
+            self.progress.reset()
+            self.progress.url = getattr(self.server, "metrics_url", self.progress.url)
         self.set_status(READY)
         return stubs
 
@@ -320,7 +384,7 @@ class Supervisor:
         code = self.server.proc.poll()
         if code is not None:
             return Failure(f"exited with code {code}")
-        return self.watch.check()
+        return self.watch.check() or (self.progress.check() if self.progress is not None else None)
 
     def step(self) -> int | None:
         """One check; recovers when something failed. Returns an exit code when serve should end."""

@@ -29,6 +29,8 @@ class EchoParams(params.ServingParams):
                                           "or not: Triton 2.51 then prunes them in C++ (the crash)")
     abort_first_start: bool = params.param(False, help="SIGABRT tritonserver while loading, at its first "
                                            "start only (what Triton's lock_exception abort looks like)")
+    stall_first_start: bool = params.param(False, help="never return from execute, at the first start only: "
+                                           "the stub alive and healthy, running nothing (a deadlocked stub)")
 
 
 class TritonPythonModel:
@@ -42,6 +44,8 @@ class TritonPythonModel:
         pbutils.log(f"echo: {params.describe(self.params)}")
 
     def execute(self, requests: list) -> None:
+        while self.params.stall_first_start and os.environ.get("RNGD_PD_SERVER_RESTARTS") == "0":
+            time.sleep(1.0)
         for request in requests:
             if self.params.threads:
                 threading.Thread(target=self._one, args=(request,), daemon=True).start()

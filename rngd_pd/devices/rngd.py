@@ -62,7 +62,9 @@ def rngd_python(env: Mapping[str, str] | None = None) -> Path | None:
     """The environment's python when it is there and set up (its stamp file), else None."""
     venv = rngd_env(env)
     python = venv / "bin" / "python"
-    return python if python.exists() and (venv / ".installed").exists() else None
+    from rngd_pd.devices.rngd_setup import STAMP
+
+    return python if python.exists() and (venv / STAMP).exists() else None
 
 
 def require_rngd_python(env: Mapping[str, str] | None = None) -> Path:

@@ -65,6 +65,9 @@ class RequestPool:
                 with self._lock:
                     self._admitted -= 1
                 done.set()
+                # the idle wait for the next item must not hold this one: its arguments (a Triton
+                # request and its response sender) then outlived it, and Triton never unloaded the model
+                del item, fn, args, done
 
     def in_flight(self) -> int:
         with self._lock:

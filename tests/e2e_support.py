@@ -93,7 +93,9 @@ def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple
     """Responses of one gRPC streaming request as dicts; an error response raises RuntimeError.
 
     cancel_after=n stops the stream (cancelling the request) after n responses; `parameters` are the
-    request's parameters.
+    request's parameters. A finished stream is closed, not cancelled: Triton 2.51 keeps the request
+    of a stream cancelled after its final response, and the model can then never unload
+    (rngd_pd.frontend.backend).
     """
     import tritonclient.grpc as grpcclient
 
@@ -101,6 +103,7 @@ def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     got: list[dict] = []
+    final = False
     try:
         client.async_stream_infer(model, grpc_inputs(values), enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
@@ -113,9 +116,10 @@ def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple
             if values_:
                 got.append(values_)
             if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
                 break
     finally:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=not final)
         client.close()
     return got
 

@@ -62,6 +62,7 @@ def _stream(server, stream: bool) -> tuple[list, str]:
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     got = []
+    final = False
     try:
         client.async_stream_infer("llm", E.grpc_inputs(E.llm_inputs(E.PROMPTS[0], stream=stream)),
                                   enable_empty_final_response=True)
@@ -72,8 +73,9 @@ def _stream(server, stream: bool) -> tuple[list, str]:
             if result.as_numpy("text_output") is not None:
                 got.append(result.as_numpy("text_output"))
             if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
                 return got, ""
         return got, ""
     finally:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
         client.close()

@@ -155,6 +155,7 @@ def _grpc_stream(url: str, model: str, values: dict, s: Stream) -> None:
     client = grpcclient.InferenceServerClient(url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    final = False
     try:
         client.async_stream_infer(model, E.grpc_inputs(values), enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput("output_ids")])
@@ -168,6 +169,7 @@ def _grpc_stream(url: str, model: str, values: dict, s: Stream) -> None:
                 s.tokens += int(out.size)
                 s.first.set()
             if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
                 return
     except Exception as exc:  # recorded: the test says which stream failed how
         s.error = f"{type(exc).__name__}: {exc}"
@@ -175,7 +177,7 @@ def _grpc_stream(url: str, model: str, values: dict, s: Stream) -> None:
         s.ended_at = time.monotonic()
         s.first.set()
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=True)
+            client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
             client.close()
 
 

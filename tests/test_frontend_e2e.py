@@ -173,3 +173,36 @@ def test_colocated_model_gives_the_same_text(triton, served):
         text = E.PROMPTS[2]
         r = client(base).completions.create(model=MODEL, prompt=text, max_tokens=N, temperature=0)
         assert r.choices[0].text == expected(text)[1]
+
+
+def test_after_front_end_traffic_triton_unloads_every_model_promptly(served, tmp_path):
+    """The front end closes each finished gRPC stream instead of dropping it: a stream cancelled or
+    dropped after its final response leaks the request's state in Triton 2.51 and pins the model
+    (server#8078), so Triton never unloaded pd (2 of 3 runs of six requests with core lending on,
+    which widens the race; 24 requests here make a leak near certain)."""
+    from pathlib import Path
+
+    from rngd_pd.triton.server import ServerConfig, TritonServer
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_root = tempfile.mkdtemp(prefix="rngd-pd-fe-unload-", dir=base)
+    repo = E.subset_repository(["pd", "prefill", "decode"])
+    env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root, "RNGD_PD_PARAM_SHARE_CORES": "1"}
+    cfg = ServerConfig(Path(repo), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env,
+                       exit_timeout_s=30)
+    log = tmp_path / "tritonserver.log"
+    try:
+        with TritonServer(cfg, log=log) as server:
+            server.wait_ready(600)
+            with serve_app(create_app(FrontendConfig(triton_url=server.grpc_url), model=served)) as base:
+                for i in range(24):
+                    kw = dict(model=MODEL, prompt=E.PROMPTS[i % 3], max_tokens=4, temperature=0)
+                    if i % 2:
+                        assert list(client(base).completions.create(stream=True, **kw))
+                    else:
+                        assert client(base).completions.create(**kw).choices[0].text
+            server.stop()  # SIGKILL after 15 s: a model still pinned then never logs its unload
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+    text = log.read_text(errors="replace")
+    assert all(f"unloaded '{m}'" in text for m in ("pd", "prefill", "decode")), text[-2000:]

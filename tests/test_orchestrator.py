@@ -6,6 +6,7 @@ are exercised by the e2e tests. Also: error types survive a hop, and streamed te
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -37,7 +38,7 @@ class FakeModels:
     def infer(self, model: str, inputs: Mapping[str, np.ndarray], outputs: tuple[str, ...]) -> dict:
         self.calls.append((model, dict(inputs)))
         if self.prefill_error is not None:
-            raise self.prefill_error
+            raise copy.copy(self.prefill_error)  # a fresh one, as a real hop makes
         self.prefilled.set()
         return {T.FIRST_TOKEN: np.array([self.first], np.int32)}
 
@@ -61,7 +62,7 @@ class FakeModels:
         else:
             self.prefilled.wait(5)
         if self.decode_error is not None:
-            raise self.decode_error
+            raise copy.copy(self.decode_error)
         for i, tok in enumerate(self.tokens):
             if self.hold is not None and i == 1:
                 self.hold.wait(5)
@@ -214,34 +215,70 @@ def test_decode_failure_fails_the_request_after_the_first_token() -> None:
     assert [c.token_ids for c in chunks] == [[7]] and len(models.aborted) == 1
 
 
+class RefusingDecode(FakeModels):
+    """decode rejects the request at once (context limit) while prefill still runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = threading.Event()
+
+    def infer(self, model, inputs, outputs):
+        self.refused.wait(5)
+        time.sleep(0.05)  # the pump has queued decode's error by now
+        return super().infer(model, inputs, outputs)
+
+    def stream(self, model, inputs, outputs):
+        if T.CANCEL in inputs:
+            yield from super().stream(model, inputs, outputs)
+            return
+        self.refused.set()
+        raise errors.ContextLengthError("prompt of 3 tokens + max_tokens 9000 exceeds 2048")
+        yield  # a generator, like the real stream
+
+
 def test_a_request_decode_already_refused_fails_without_a_first_token() -> None:
-    """decode rejects at once (context limit) while prefill still runs: no token goes out before the
-    error (inside the llm ensemble a token in flight in postprocess next to pd's error left the
-    ensemble request open)."""
-
-    class RefusingDecode(FakeModels):
-        def __init__(self) -> None:
-            super().__init__()
-            self.refused = threading.Event()
-
-        def infer(self, model, inputs, outputs):
-            self.refused.wait(5)
-            time.sleep(0.05)  # the pump has queued decode's error by now
-            return super().infer(model, inputs, outputs)
-
-        def stream(self, model, inputs, outputs):
-            if T.CANCEL in inputs:
-                yield from super().stream(model, inputs, outputs)
-                return
-            self.refused.set()
-            raise errors.ContextLengthError("prompt of 3 tokens + max_tokens 9000 exceeds 2048")
-            yield  # a generator, like the real stream
-
+    """No token goes out before the error (inside the llm ensemble a token in flight in postprocess
+    next to pd's error left the ensemble request open)."""
     models = RefusingDecode()
     chunks: list[Chunk] = []
     with pytest.raises(errors.ContextLengthError):
         Orchestrator(models, models).run([1, 2, 3], SamplingParams(), True, chunks.append)
     assert chunks == [] and len(models.aborted) == 1
+
+
+class _Sink(list):
+    """The request's emit target; weakly referenceable, unlike a plain list."""
+
+
+@pytest.mark.parametrize("models, raises", [
+    (RefusingDecode, errors.ContextLengthError),  # decode's error seen before the first token
+    (lambda: FakeModels(decode_error=errors.TransportError("KV transport 'tcp' lost the relay")),
+     errors.TransportError),  # decode's error while following its stream
+    (lambda: FakeModels(prefill_error=errors.CapacityError("prefill queue full")), errors.CapacityError),
+])
+def test_a_failed_request_leaves_no_reference_cycle(models, raises) -> None:
+    """Everything a failed request held is freed by reference counting alone: a cycle through its
+    error's traceback kept pd's Triton request alive in an idle stub, and Triton then never unloaded
+    pd (the exit timeout ran out at shutdown)."""
+    import gc
+    import weakref
+
+    orchestrator, sink = Orchestrator(m := models(), m), _Sink()
+    alive = weakref.ref(sink)
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            orchestrator.run([1, 2, 3], SamplingParams(), True, sink.append)
+        except raises:
+            pass
+        del sink
+        deadline = time.monotonic() + 5
+        while alive() is not None and time.monotonic() < deadline:  # the pump thread lets go last
+            time.sleep(0.01)
+        assert alive() is None, [type(r).__name__ for r in gc.get_referrers(alive())]
+    finally:
+        gc.enable()
 
 
 def test_client_cancel_stops_and_tells_decode() -> None:

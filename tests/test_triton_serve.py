@@ -235,6 +235,7 @@ def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
     client = grpcclient.InferenceServerClient(url)
     got: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
+    final = False
     try:
         inp = grpcclient.InferInput("input_ids", [len(ids)], "INT32")
         inp.set_data_from_numpy(np.asarray(ids, dtype=np.int32))
@@ -247,12 +248,13 @@ def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
             ids_ = result.as_numpy("output_ids")
             out += [] if ids_ is None else [int(i) for i in ids_.reshape(-1)]
             if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
                 return out
     except Exception as exc:  # the test reads what happened
         return f"{type(exc).__name__}: {exc}"
     finally:
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=True)
+            client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
             client.close()
 
 

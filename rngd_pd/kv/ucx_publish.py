@@ -73,7 +73,10 @@ class Publisher:
     def _raise_error(self) -> None:
         err, self._error = self._error, None
         if err is not None:
-            raise err
+            try:
+                raise err
+            finally:
+                del err  # a handed-over exception (rngd_pd.errors): no frame may keep it
 
     def _run(self) -> None:
         while True:

@@ -163,6 +163,7 @@ class GrpcClient:
         client = self._grpc.InferenceServerClient(self.url)
         responses: queue.SimpleQueue = queue.SimpleQueue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        finished = False
         try:
             client.async_stream_infer(model, self._inputs(inputs), enable_empty_final_response=True,
                                       outputs=[self._grpc.InferRequestedOutput(n) for n in outputs])
@@ -175,12 +176,15 @@ class GrpcClient:
                 if error is not None:
                     raise self._fail(error)
                 values = {n: result.as_numpy(n) for n in outputs if result.as_numpy(n) is not None}
+                finished = result.get_response().parameters["triton_final_response"].bool_param
                 if values:
                     yield values
-                if result.get_response().parameters["triton_final_response"].bool_param:
+                if finished:
                     return
         finally:
-            client.stop_stream(cancel_requests=True)
+            # after the final response, half-close and let the server end the stream: cancelling it
+            # there leaks the request in Triton 2.51 and pins the model (rngd_pd.frontend.backend)
+            client.stop_stream(cancel_requests=not finished)
             client.close()
 
     def close(self) -> None:

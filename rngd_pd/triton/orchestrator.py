@@ -119,11 +119,15 @@ def _drain(responses: queue.SimpleQueue) -> list:
 
 
 def _raise_refusal(ready: list) -> None:
-    """Raise decode's error if it is among `ready` (in a frame of its own, a precaution: run() then
-    keeps no loop variable referencing decode's responses while the request goes on)."""
-    for kind, value in ready:
-        if kind == "err":
-            raise value
+    """Raise decode's error if it is among `ready`, taking it out of the list (`_run`'s frame holds
+    `ready` and is in the error's traceback: a cycle, see rngd_pd.errors)."""
+    errs = [i for i, (kind, _) in enumerate(ready) if kind == "err"]
+    if errs:
+        exc = ready.pop(errs[0])[1]
+        try:
+            raise exc
+        finally:
+            del exc  # a handed-over exception (rngd_pd.errors): no frame may keep it
 
 
 class ChunkEmitter:
@@ -214,7 +218,8 @@ class Orchestrator:
                 answers = list(self.decode.stream(self.decode_model, inputs, (T.LOCAL_PREFILL_TOKENS,)))
                 self._local_tokens = max(0, int(answers[-1][T.LOCAL_PREFILL_TOKENS].reshape(-1)[0]))
             except Exception as exc:
-                log.warning("decode did not say its local prefill length (%s); handing off every prompt", exc)
+                log.warning("decode did not say its local prefill length (%s); handing off every prompt",
+                            str(exc))
                 return 0
             log.info("prompts up to %d tokens are prefilled by decode", self._local_tokens)
             return self._local_tokens
@@ -323,7 +328,10 @@ class Orchestrator:
                 except queue.Empty:
                     continue
             if kind == "err":
-                raise value
+                try:
+                    raise value
+                finally:
+                    del value  # a handed-over exception (rngd_pd.errors): no frame may keep it
             if kind == "end":
                 raise errors.RngdPdError("decode ended its stream without a finish reason", key=key)
             ids = [int(i) for i in value.get(T.OUTPUT_IDS, np.zeros(0, np.int32)).reshape(-1)]
@@ -348,4 +356,4 @@ class Orchestrator:
             for _ in self.decode.stream(self.decode_model, inputs, (T.FINISH_REASON,)):
                 pass
         except Exception as exc:  # the request already failed; this is cleanup
-            log.warning("cancelling decode of request %s failed: %s", key, exc)
+            log.warning("cancelling decode of request %s failed: %s", key, str(exc))

@@ -17,11 +17,19 @@ or tokens there are). Request workers and engine threads only put outputs on its
 a model it calls by BLS lost its stub, which Triton 2.51 never reports to a waiting BLS call).
 `idle` runs instead when no request is live (pd: `RETIRED.drop_settled`, so the last iterators of a
 burst do not wait for the next request: held, they kept Triton from unloading pd).
+
+When the instance has been idle for `GC_SETTLE_S` after a request ended, the loop also runs the
+cyclic GC once (at most every `GC_GAP_S`): a request object caught in a reference cycle (an
+exception's traceback, rngd_pd.errors) is otherwise freed only whenever allocations next trigger a
+collection, which an idle stub never makes, and Triton cannot unload a model while one of its
+requests lives. The settle time lets the request's last holders (its worker's frame, this loop's
+last item, retired BLS iterators) let go first, so what is left is only what a cycle holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import queue
 import threading
@@ -34,6 +42,8 @@ from rngd_pd.triton import pbutils
 from rngd_pd.triton.tensors import ModelSpec
 
 POLL_S = 0.1  # how often the live requests' cancel flags are read (each read is an IPC round trip)
+GC_SETTLE_S = 2.0  # idle this long after a request ended before collecting (module docstring)
+GC_GAP_S = 5.0  # at most one idle collection per this long (a full one holds the GIL for ~10-100 ms)
 _STOP = object()
 
 
@@ -78,6 +88,9 @@ class ResponseLoop:
         self._live: dict[int, Stream] = {}
         self._ids = itertools.count()
         self.sent = 0
+        self._gc_due = False  # a request ended since the last idle collection
+        self._ended_at = self._gc_at = 0.0
+        self.collections = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
         self._thread.start()
 
@@ -143,6 +156,7 @@ class ResponseLoop:
             stream.done = True
             with self._lock:
                 self._live.pop(stream.ident, None)
+            self._gc_due, self._ended_at = True, time.monotonic()
 
     def _poll(self) -> None:
         failure = self._health() if self._health is not None else None
@@ -167,6 +181,20 @@ class ResponseLoop:
                 self._idle()
         except Exception as exc:
             pbutils.log(f"{self.name}: reading cancel flags failed: {exc}", "warn")
+        if not streams:
+            self._collect_when_idle()
+
+    def _collect_when_idle(self) -> None:
+        """Free reference cycles that still hold finished requests (module docstring)."""
+        now = time.monotonic()
+        if (not self._gc_due or now - self._ended_at < GC_SETTLE_S or now - self._gc_at < GC_GAP_S
+                or self.live()):
+            return
+        self._gc_due, self._gc_at = False, now
+        found = gc.collect()
+        self.collections += 1
+        if found:
+            pbutils.log(f"{self.name}: idle: freed {found} objects held in reference cycles", "verbose")
 
     def _cancel(self, stream: Stream) -> None:
         if stream.cancelled.is_set():

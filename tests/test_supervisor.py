@@ -153,6 +153,7 @@ class FakeServer:
         self.cfg = type("Cfg", (), {"env": {}})()
         self.proc: FakeProc | None = None
         self.starts, self.stops, self.envs = 0, [], []
+        self.metrics_url = "http://127.0.0.1:1/metrics"
 
     def start(self) -> FakeServer:
         self.starts += 1
@@ -467,9 +468,16 @@ def test_progress_watch_forgets_on_reset_and_ignores_a_silent_server() -> None:
 
 
 def test_a_hung_model_restarts_tritonserver_like_a_dead_one(tmp_path: Path, proc: Path) -> None:
+    """Also: the watch reads the metrics URL of the server that runs (ports are chosen at start)."""
     now = [0.0]
-    hung = S.ProgressWatch("http://x/metrics", hang_s=1.0, every_s=0.0,
-                           fetch=lambda url: _metrics({"pd": 3}, {"pd": 1}), clock=lambda: now[0])
+    asked: list[str] = []
+
+    def fetch(url: str) -> str:
+        asked.append(url)
+        return _metrics({"pd": 3}, {"pd": 1})
+
+    hung = S.ProgressWatch(hang_s=1.0, every_s=0.0, fetch=fetch, clock=lambda: now[0])
+    assert hung.check() is None and asked == []  # no server yet: nothing to read
     server = FakeServer(proc)
     sup, said, states = supervisor(tmp_path, proc, server, progress=hung)
     server.start()
@@ -477,6 +485,7 @@ def test_a_hung_model_restarts_tritonserver_like_a_dead_one(tmp_path: Path, proc
     assert sup.step() is None and server.starts == 1  # first sight of the queue
     now[0] = 2.0
     assert sup.step() is None and server.starts == 2  # hung for 2 s: restarted, ready again
+    assert asked and set(asked) == {server.metrics_url}
     assert said[0] == ("stub of model pd is hung (3 requests waiting, none run for 2 s; --hang-timeout); "
                        "restarting tritonserver (restart 1)")
     assert states == [("ready", 0), ("recovering", 1), ("ready", 1)]

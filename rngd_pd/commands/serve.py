@@ -261,7 +261,7 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
     status.parent.mkdir(parents=True, exist_ok=True)
     supervisor = Supervisor(server, status, stop, RestartPolicy(args.max_restarts, args.restart_window),
                             ready_timeout_s=args.ready_timeout, watch=watch,
-                            progress=ProgressWatch(server.metrics_url, args.hang_timeout))
+                            progress=ProgressWatch(hang_s=args.hang_timeout))
     frontend = None
     code = 1
     try:

@@ -264,9 +264,10 @@ class ProgressWatch:
     """Models that stopped running requests while alive: pending in Triton's queue, with an execution
     count that has not moved for `hang_s`. The decoupled models' `execute` only admits a request, so
     their queue is empty unless the stub no longer runs `execute`; prefill's single `execute` (a
-    prompt) takes seconds, far below the default timeout."""
+    prompt) takes seconds, far below the default timeout. `url` (Triton's metrics endpoint) is set by
+    `Supervisor.watching` once the server runs: with port 0 it is known only then."""
 
-    url: str
+    url: str = ""
     hang_s: float = 180.0
     every_s: float = 5.0
     fetch: Callable[[str], str] = _fetch
@@ -281,7 +282,7 @@ class ProgressWatch:
 
     def check(self) -> Failure | None:
         now = self.clock()
-        if self.hang_s <= 0 or now < self._next:
+        if self.hang_s <= 0 or not self.url or now < self._next:
             return None
         self._next = now + self.every_s
         try:
@@ -376,7 +377,7 @@ class Supervisor:
         stubs = self.watch.snapshot(self.server.proc.pid)
         if self.progress is not None:  # the ports are known once the server started
             self.progress.reset()
-            self.progress.url = getattr(self.server, "metrics_url", self.progress.url)
+            self.progress.url = self.server.metrics_url
         self.set_status(READY)
         return stubs
 

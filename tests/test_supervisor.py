@@ -85,6 +85,24 @@ def test_defunct_and_reused_pids_count_as_dead(proc: Path) -> None:
     assert watch.check() == S.Failure("died", "decode", 101)
 
 
+def test_a_stub_stopped_for_long_counts_as_failed_a_moment_does_not(proc: Path) -> None:
+    """SIGSTOP (or a tracer left attached): Triton fails the stub's requests with "not healthy" and
+    logs nothing; py-spy and gdb stop a stub only for a moment."""
+    now = [0.0]
+    watch = S.StubWatch(proc, stopped_s=10.0, clock=lambda: now[0])
+    watch.snapshot(SERVER)
+    write_proc(proc, 102, SERVER, stub_argv("pd"), state="T", start=2002)
+    assert watch.check() is None
+    now[0] = 4.0
+    write_proc(proc, 102, SERVER, stub_argv("pd"), state="S", start=2002)  # a sampler let go
+    assert watch.check() is None
+    now[0] = 5.0
+    write_proc(proc, 102, SERVER, stub_argv("pd"), state="t", start=2002)
+    assert watch.check() is None  # stopped again: counted from now
+    now[0] = 15.0
+    assert watch.check() == S.Failure("is stopped (state t for 10 s: SIGSTOP or a tracer)", "pd", 102)
+
+
 def test_the_log_names_an_unhealthy_stub_of_this_server_only(proc: Path) -> None:
     watch = S.StubWatch(proc)
     watch.snapshot(SERVER)

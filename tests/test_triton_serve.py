@@ -306,6 +306,44 @@ def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(
         stop_and_reap(proc, repo)
 
 
+@pytest.mark.e2e
+def test_a_stopped_stub_is_restarted(tmp_path: Path) -> None:
+    """A SIGSTOPped stub: Triton fails its requests at once with "not healthy" and logs nothing;
+    serve sees the stub stopped in /proc for 10 s and restarts tritonserver; echo answers again."""
+    require_tritonserver()
+    import threading
+
+    repo = echo_repository(tmp_path)
+    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--http-port", "0",
+            "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def wait_for(text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(text) for line in list(seen)):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)[-3000:]
+            time.sleep(0.2)
+        return "".join(seen)
+
+    try:
+        grpc_url = re.search(r"grpc (\S+)\s+metrics", wait_for("serve: triton http", 240))[1]
+        assert _echo_stream(grpc_url, [1, 2], 60) == [1, 2]
+        stubs = processes_mentioning(str(repo / "echo" / "1" / "model.py"))
+        assert len(stubs) == 1, stubs
+        os.kill(stubs[0], signal.SIGSTOP)  # our own server's stub
+        t0 = time.monotonic()
+        out = wait_for("serve: tritonserver ready again", 150)
+        assert f"serve: stub of model echo (pid {stubs[0]}) is stopped (state T" in out, out[-3000:]
+        assert 10 <= time.monotonic() - t0 < 120
+        assert _echo_stream(grpc_url, [3, 4, 5], 60) == [3, 4, 5]
+        assert proc.poll() is None
+    finally:
+        stop_and_reap(proc, repo)
+
+
 def _stub_cmdlines(repo: Path) -> list[str]:
     out = []
     for pid in processes_mentioning(str(repo)):

@@ -8,8 +8,11 @@ in-flight streams hang for good (research/triton-2.51.md). So serve does it:
   the tritonserver pid (found once the server is ready; its argv names the model file and the instance,
   e.g. `pd_0_0`) must still exist, not be defunct (`Z`) and be the same process (start time); a log line
   "Stub process '<instance>' is not healthy" naming one of them counts too, and so does tritonserver
-  exiting by itself. A stub can also hang alive (Triton 2.51's Python backend has a lock cycle between
-  a BLS response iterator's mutex, its iterator map's mutex and the GIL: README, Known limits), so
+  exiting by itself. A stub stopped (state `T`: SIGSTOP, a freezer, a tracer left attached) for
+  `stopped_s` (10 s; py-spy and gdb stop one for a moment) counts as well: Triton then fails its
+  requests at once with "not healthy" but never says so in its log. A stub can also hang alive
+  (Triton 2.51's Python backend has a lock cycle between a BLS response iterator's mutex, its
+  iterator map's mutex and the GIL: README, Known limits), so
   `ProgressWatch` reads Triton's metrics every few seconds: a model with requests pending whose
   execution count has not moved for `hang_s` (`--hang-timeout`) counts as hung.
 * **Say so at once.** The status file (`ServerStatus`, JSON, replaced atomically) turns to
@@ -214,17 +217,23 @@ class Failure:
         return f"{who}{pid} {self.what}"
 
 
+STOPPED_S = 10.0  # a stub stopped this long counts as failed (module docstring)
+
+
 class StubWatch:
     """The stubs a ready server had, checked against /proc (and the log) on every `check()`."""
 
-    def __init__(self, proc: Path = PROC) -> None:
-        self.proc = proc
+    def __init__(self, proc: Path = PROC, stopped_s: float = STOPPED_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proc, self.stopped_s, self.clock = proc, stopped_s, clock
         self.stubs: dict[str, Stub] = {}
         self._unhealthy: deque[str] = deque()
+        self._stopped: dict[int, float] = {}  # pid -> when it was first seen stopped
 
     def snapshot(self, server_pid: int) -> list[Stub]:
         """Remember the stubs of `server_pid` as they are now (call when the server is ready)."""
         self._unhealthy.clear()
+        self._stopped.clear()
         self.stubs = {s.instance: s for s in stub_processes(server_pid, self.proc)}
         return list(self.stubs.values())
 
@@ -236,10 +245,18 @@ class StubWatch:
 
     def check(self) -> Failure | None:
         """The first stub that is gone, defunct, replaced or reported unhealthy; None when all answer."""
+        now = self.clock()
         for stub in self.stubs.values():
             st = _stat(stub.pid, self.proc)
             if st is None or st[2] != stub.start_time or st[0] in ("Z", "X"):  # gone, reused, defunct
                 return Failure("died", stub.model, stub.pid)
+            if st[0] in ("T", "t"):
+                since = self._stopped.setdefault(stub.pid, now)
+                if now - since >= self.stopped_s:
+                    return Failure(f"is stopped (state {st[0]} for {now - since:.0f} s: SIGSTOP or a tracer)",
+                                   stub.model, stub.pid)
+            else:
+                self._stopped.pop(stub.pid, None)
         while self._unhealthy:
             name = self._unhealthy.popleft()
             stub = self.stubs.get(name)

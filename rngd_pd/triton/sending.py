@@ -90,7 +90,6 @@ class ResponseLoop:
         self.sent = 0
         self._gc_due = False  # a request ended since the last idle collection
         self._ended_at = self._gc_at = 0.0
-        self.collections = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-sender", daemon=True)
         self._thread.start()
 
@@ -192,7 +191,6 @@ class ResponseLoop:
             return
         self._gc_due, self._gc_at = False, now
         found = gc.collect()
-        self.collections += 1
         if found:
             pbutils.log(f"{self.name}: idle: freed {found} objects held in reference cycles", "verbose")
 

@@ -225,6 +225,30 @@ def test_a_tritonserver_that_hangs_while_loading_is_restarted_then_given_up(tmp_
         stop_and_reap(proc, repo)
 
 
+class _ServeOutput:
+    """`rngd-pd serve` run with `argv`, its output read line by line on a thread, so a test can wait
+    for what serve says while it acts on the server."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: self.seen.extend(self.proc.stdout), daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """All output so far once a line starts with `text`; fails at `timeout` or if serve exits."""
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(text) for line in list(self.seen)):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.seen)[-3000:]
+            time.sleep(0.2)
+        return "".join(self.seen)
+
+    def grpc_url(self) -> str:
+        """Triton's gRPC address, from the line serve prints once tritonserver is up."""
+        return re.search(r"grpc (\S+)\s+metrics", self.wait_for("serve: triton http", 240))[1]
+
+
 def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
     """Token ids streamed back by `echo` over gRPC, or the error text."""
     import queue
@@ -267,23 +291,11 @@ def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(
     import threading
 
     repo = echo_repository(tmp_path)
-    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param",
-            "stall_first_start=true", "--hang-timeout", "6", "--http-port", "0", "--grpc-port", "0",
-            "--metrics-port", "0"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)  # line by line
-    reader.start()
-
-    def wait_for(text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while not any(line.startswith(text) for line in list(seen)):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)[-3000:]
-            time.sleep(0.2)
-        return "".join(seen)
-
+    serve = _ServeOutput([*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--param",
+                          "stall_first_start=true", "--hang-timeout", "6", "--http-port", "0",
+                          "--grpc-port", "0", "--metrics-port", "0"])
     try:
-        grpc_url = re.search(r"grpc (\S+)\s+metrics", wait_for("serve: triton http", 240))[1]
+        grpc_url = serve.grpc_url()
         stuck: list = [None] * 3  # one reaches the stalled execute, two wait in Triton's queue
 
         def ask(i: int) -> None:
@@ -293,7 +305,7 @@ def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(
         for t in threads:
             t.start()
         t0 = time.monotonic()
-        out = wait_for("serve: tritonserver ready again", 150)
+        out = serve.wait_for("serve: tritonserver ready again", 150)
         assert "serve: stub of model echo is hung (" in out, out[-3000:]
         assert "restarting tritonserver (restart 1)" in out, out[-3000:]
         assert 6 <= time.monotonic() - t0 < 120
@@ -301,9 +313,9 @@ def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(
             t.join(30)
         assert all(isinstance(r, str) for r in stuck), stuck  # they ended with an error, not hung on
         assert _echo_stream(grpc_url, [3, 4, 5], 60) == [3, 4, 5]
-        assert proc.poll() is None
+        assert serve.proc.poll() is None
     finally:
-        stop_and_reap(proc, repo)
+        stop_and_reap(serve.proc, repo)
 
 
 @pytest.mark.e2e
@@ -311,37 +323,23 @@ def test_a_stopped_stub_is_restarted(tmp_path: Path) -> None:
     """A SIGSTOPped stub: Triton fails its requests at once with "not healthy" and logs nothing;
     serve sees the stub stopped in /proc for 10 s and restarts tritonserver; echo answers again."""
     require_tritonserver()
-    import threading
-
     repo = echo_repository(tmp_path)
-    argv = [*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1", "--http-port", "0",
-            "--grpc-port", "0", "--metrics-port", "0"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
-    reader.start()
-
-    def wait_for(text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while not any(line.startswith(text) for line in list(seen)):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)[-3000:]
-            time.sleep(0.2)
-        return "".join(seen)
-
+    serve = _ServeOutput([*RNGD_PD, "serve", "--repository", str(repo), "--openai-port", "-1",
+                          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
     try:
-        grpc_url = re.search(r"grpc (\S+)\s+metrics", wait_for("serve: triton http", 240))[1]
+        grpc_url = serve.grpc_url()
         assert _echo_stream(grpc_url, [1, 2], 60) == [1, 2]
         stubs = processes_mentioning(str(repo / "echo" / "1" / "model.py"))
         assert len(stubs) == 1, stubs
         os.kill(stubs[0], signal.SIGSTOP)  # our own server's stub
         t0 = time.monotonic()
-        out = wait_for("serve: tritonserver ready again", 150)
+        out = serve.wait_for("serve: tritonserver ready again", 150)
         assert f"serve: stub of model echo (pid {stubs[0]}) is stopped (state T" in out, out[-3000:]
         assert 10 <= time.monotonic() - t0 < 120
         assert _echo_stream(grpc_url, [3, 4, 5], 60) == [3, 4, 5]
-        assert proc.poll() is None
+        assert serve.proc.poll() is None
     finally:
-        stop_and_reap(proc, repo)
+        stop_and_reap(serve.proc, repo)
 
 
 def _stub_cmdlines(repo: Path) -> list[str]:

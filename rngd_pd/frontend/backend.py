@@ -6,18 +6,13 @@ empty final response can be requested and no per-token helper objects are made).
 generator before the final response (client gone, stop string matched) cancels the gRPC call, which
 Triton turns into a cancelled request that the decode engine drops from its slot.
 
-After the final response the call is never cancelled nor dropped: the generator waits (at most
-`STATUS_WAIT_S`) for the status Triton sends once the stream is done. A call cancelled or dropped
-there, before its status, makes Triton 2.51's stream handler keep the request's state for good
-(triton-inference-server/server#8078), and with it the model: it could then never unload, so a
-shutdown waited out its exit timeout and a model reload hung (seen: 2 of 3 runs after six
-requests through this front end, with core lending on).
+After the final response the call is never cancelled nor dropped (`rngd_pd.triton.grpc_wire.finish`:
+Triton 2.51 would otherwise keep the request's state and the model for good).
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -30,18 +25,11 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
 from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams
+from rngd_pd.triton import grpc_wire
+from rngd_pd.triton.grpc_wire import NP_DTYPES as _NP
 
-_NP = {
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT64": np.uint64,
-    "FP32": np.float32,
-    "FP64": np.float64,
-    "BOOL": np.bool_,
-}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 META_TIMEOUT_S = 5.0
-STATUS_WAIT_S = 5.0  # after the final response, how long the stream's status may take (module docstring)
 
 
 @dataclass(frozen=True)
@@ -100,11 +88,7 @@ class TritonBackend:
 
     def _get_stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._stub is None:  # created lazily: a grpc.aio channel belongs to the running loop
-            # reconnect within 2 s of Triton coming back (gRPC's default back-off grows to 120 s,
-            # which kept a restarted server unreachable long after it was ready)
-            opts = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30),
-                    ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
-            self._channel = grpc.aio.insecure_channel(self.url, options=opts)
+            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_wire.CHANNEL_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
@@ -186,7 +170,7 @@ class TritonBackend:
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc, self) from None
         request = _build_request(self.model, req, info)
-        call = self._get_stub().ModelStreamInfer(_once(request))
+        call = self._get_stub().ModelStreamInfer(grpc_wire.once(request))
         done = False
         try:
             async for resp in call:
@@ -219,18 +203,7 @@ class TritonBackend:
             done = True
             raise _rpc_error(exc, self) from None
         finally:
-            if done:
-                await _await_status(call)
-            else:
-                call.cancel()
-
-
-async def _await_status(call: grpc.aio.StreamStreamCall) -> None:
-    """Let a finished call end with Triton's status instead of a cancel (module docstring)."""
-    try:
-        await asyncio.wait_for(call.code(), STATUS_WAIT_S)
-    except (TimeoutError, grpc.aio.AioRpcError):
-        call.cancel()
+            await grpc_wire.finish(call, done)
 
 
 def _str_param(config: model_config_pb2.ModelConfig, key: str) -> str:
@@ -241,10 +214,6 @@ def _int_param(config: model_config_pb2.ModelConfig, key: str) -> int | None:
     """A positive integer parameter; None when absent or not a positive integer."""
     text = _str_param(config, key)
     return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-async def _once(request: service_pb2.ModelInferRequest) -> AsyncIterator[service_pb2.ModelInferRequest]:
-    yield request
 
 
 def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str]) -> None:
@@ -292,8 +261,7 @@ def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> servic
 
 def _pack(dtype: str, seq: list) -> bytes:
     if dtype == "BYTES":
-        parts = [s.encode() if isinstance(s, str) else bytes(s) for s in seq]
-        return b"".join(struct.pack("<I", len(b)) + b for b in parts)
+        return grpc_wire.pack_bytes(seq)
     if dtype not in _NP:
         raise APIError(502, f"unsupported Triton input datatype {dtype}", type="server_error")
     return np.asarray(seq, dtype=_NP[dtype]).tobytes()
@@ -305,15 +273,9 @@ def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tu
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
         if out.name == "output_ids":
             ids = tuple(np.frombuffer(raw, dtype=_NP.get(out.datatype, np.int32)).tolist())
-        elif out.name == "finish_reason" and len(raw) > 4:
-            (n,) = struct.unpack_from("<I", raw)
-            reason = raw[4 : 4 + n].decode() or None
-    final = (
-        resp.parameters["triton_final_response"].bool_param
-        if "triton_final_response" in resp.parameters
-        else False
-    )
-    return TokenChunk(ids, reason, received_at), final
+        elif out.name == "finish_reason":
+            reason = b"".join(grpc_wire.unpack_bytes(raw)[:1]).decode() or None
+    return TokenChunk(ids, reason, received_at), grpc_wire.is_final(resp)
 
 
 def _model_error(message: str, model: str) -> APIError:

@@ -18,16 +18,20 @@ on a thread that holds the GIL.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rngd_pd import errors
-from rngd_pd.triton import pbutils
+from rngd_pd.triton import grpc_wire, pbutils
 
 STREAM_TIMEOUT_S = 600.0  # no response from a remote decode for this long fails the request
 
@@ -122,8 +126,65 @@ class BlsClient:
             RETIRED.retire(responses)  # see the module docstring: never the last reference to drop
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of tritonserver's `--name=value` or `--name value` (the last one given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def local_grpc_url(argv: list[str] | None = None) -> tuple[str | None, str]:
+    """Where this stub's own tritonserver serves gRPC, read from its command line (the stub's parent):
+    (host:port, why) or (None, why not). A wildcard address is reached on the loopback."""
+    if argv is None:
+        try:
+            argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+        except OSError as exc:
+            return None, f"cannot read tritonserver's command line ({exc})"
+    if not argv or not Path(argv[0]).name.startswith("tritonserver"):
+        return None, f"the stub's parent is not tritonserver ({argv[0] if argv else '?'})"
+    if (_flag(argv, "allow-grpc") or "true").lower() in ("false", "off", "0"):
+        return None, "tritonserver runs with --allow-grpc=false"
+    if (_flag(argv, "grpc-use-ssl") or "false").lower() in ("true", "on", "1"):
+        return None, "tritonserver's gRPC endpoint uses TLS"
+    port = _flag(argv, "grpc-port") or "8001"
+    host = _flag(argv, "grpc-address") or "0.0.0.0"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}", f"tritonserver's --grpc-address/--grpc-port ({host}:{port})"
+
+
+class _LoopThread:
+    """One asyncio loop on one thread for every gRPC stream of this process: a stream costs a
+    coroutine, not a thread (tritonclient's streaming client starts a thread per stream)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="rngd-pd-grpc", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop())
+
+
+LOOP = _LoopThread()
+
+
 class GrpcClient:
-    """Models of another tritonserver at `url` (host:port of its gRPC endpoint)."""
+    """Models of a tritonserver at `url` (host:port of its gRPC endpoint): another one, or this
+    same server (pd reaches its local decode this way, see `rngd_pd.triton.pd_model`)."""
 
     def __init__(self, url: str) -> None:
         import tritonclient.grpc as grpcclient
@@ -131,6 +192,8 @@ class GrpcClient:
         self.url = url
         self._grpc = grpcclient
         self._client = grpcclient.InferenceServerClient(url)  # unary calls share one channel
+        self._channel: Any = None  # grpc.aio, made on LOOP's thread: one channel for every stream
+        self._stub: Any = None
 
     def _inputs(self, inputs: Mapping[str, np.ndarray]) -> list[Any]:
         out = []
@@ -143,7 +206,10 @@ class GrpcClient:
 
     def _fail(self, exc: Exception) -> errors.RngdPdError:
         message = exc.message() if hasattr(exc, "message") else str(exc)
-        err = errors.from_wire(message or str(exc))
+        return self._error(message or str(exc))
+
+    def _error(self, message: str) -> errors.RngdPdError:
+        err = errors.from_wire(message)
         if type(err) is errors.RngdPdError:
             err = errors.RngdPdError(f"{self.url}: {message}")
         return err
@@ -157,35 +223,69 @@ class GrpcClient:
             raise self._fail(exc) from exc
         return {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
 
+    def _stream_stub(self) -> Any:
+        if self._stub is None:  # on LOOP's thread: a grpc.aio channel belongs to its loop
+            import grpc
+            from tritonclient.grpc import service_pb2_grpc
+
+            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_wire.CHANNEL_OPTIONS)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    async def _read(self, request: Any, items: queue.SimpleQueue) -> None:
+        """One stream's responses into `items`: ("out", arrays, final) ..., or ("err", message)."""
+        import grpc
+
+        call = self._stream_stub().ModelStreamInfer(grpc_wire.once(request))
+        done = False
+        try:
+            async for response in call:
+                if response.error_message:
+                    done = True
+                    items.put(("err", response.error_message))
+                    return
+                final = grpc_wire.is_final(response.infer_response)
+                done = done or final
+                items.put(("out", grpc_wire.output_arrays(response.infer_response), final))
+                if final:
+                    return
+            done = True
+            items.put(("err", "the server closed the stream before the final response"))
+        except grpc.aio.AioRpcError as exc:
+            done = True
+            items.put(("err", f"gRPC {exc.code().name}: {exc.details()}"))
+        except Exception as exc:  # a response this client cannot read
+            done = True
+            items.put(("err", f"{type(exc).__name__}: {exc}"))
+        finally:
+            await grpc_wire.finish(call, done)
+
     def stream(self, model: str, inputs: Mapping[str, np.ndarray],
                outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
-        # one stream per request: a gRPC stream has one callback, and requests end independently
-        client = self._grpc.InferenceServerClient(self.url)
-        responses: queue.SimpleQueue = queue.SimpleQueue()
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        finished = False
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        reader = LOOP.submit(self._read(grpc_wire.stream_request(model, inputs, outputs), items))
         try:
-            client.async_stream_infer(model, self._inputs(inputs), enable_empty_final_response=True,
-                                      outputs=[self._grpc.InferRequestedOutput(n) for n in outputs])
             while True:
                 try:
-                    result, error = responses.get(timeout=STREAM_TIMEOUT_S)
+                    item = items.get(timeout=STREAM_TIMEOUT_S)
                 except queue.Empty:
                     raise errors.RngdPdError(f"{self.url}: {model} sent nothing for "
                                              f"{STREAM_TIMEOUT_S:.0f} s") from None
-                if error is not None:
-                    raise self._fail(error)
-                values = {n: result.as_numpy(n) for n in outputs if result.as_numpy(n) is not None}
-                finished = result.get_response().parameters["triton_final_response"].bool_param
+                if item[0] == "err":
+                    raise self._error(item[1])
+                _, values, final = item
                 if values:
                     yield values
-                if finished:
+                if final:
                     return
         finally:
-            # after the final response, half-close and let the server end the stream: cancelling it
-            # there leaks the request in Triton 2.51 and pins the model (rngd_pd.frontend.backend)
-            client.stop_stream(cancel_requests=not finished)
-            client.close()
+            reader.cancel()  # a stream left early is cancelled there; a finished one ends by itself
 
     def close(self) -> None:
         self._client.close()
+        if self._channel is not None:
+            channel, self._channel, self._stub = self._channel, None, None
+            try:
+                LOOP.submit(channel.close()).result(timeout=5)
+            except Exception:  # closing at shutdown; the process is going
+                pass

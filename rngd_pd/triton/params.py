@@ -37,6 +37,7 @@ ENV_KV_DTYPE = "RNGD_PD_KV_DTYPE"
 ENV_DTYPE = "RNGD_PD_DTYPE"
 ENV_PREFILL_URL = "RNGD_PD_PREFILL_URL"  # pd: reach prefill by gRPC in another tritonserver
 ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another tritonserver
+ENV_DECODE_VIA = "RNGD_PD_DECODE_VIA"    # pd: reach a decode in this tritonserver by grpc or bls
 ENV_ROLE = "RNGD_PD_ROLE"  # all | prefill | decode | gateway: which model publishes the load gauges
 
 KV_DTYPES = ("bf16", "fp16", "fp32")

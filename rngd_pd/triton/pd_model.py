@@ -3,8 +3,18 @@
 Both run each request on a fixed pool of workers (`execute` only admits it) and send `Chunk`s as
 responses through the instance's one sender thread (`rngd_pd.triton.sending`):
 `output_ids`, `finish_reason` (empty until the last) and `context_ids` for the stateless postprocess.
-`pd` reaches prefill/decode by BLS, or by gRPC when `prefill_url` / `decode_url` are set; `colocated`
-runs prefill and decode in one instance (ColocatedEngine), the baseline the benches compare pd with.
+`pd` reaches prefill by BLS and decode through this tritonserver's own gRPC endpoint (`decode_via`),
+or either by gRPC to another server when `prefill_url` / `decode_url` are set; `colocated` runs
+prefill and decode in one instance (ColocatedEngine), the baseline the benches compare pd with.
+
+Why decode is not reached by BLS here: Triton 2.51's stub deadlocks under concurrent decoupled BLS
+streams. A thread iterating a BLS stream wakes holding its iterator's mutex and waits for the GIL;
+the stub's thread that delivers BLS responses holds the iterator map's mutex and waits for that
+iterator's; a thread starting a new BLS stream (`exec(decoupled=True)`) holds the GIL and waits for
+the map's mutex (`ResponseIterator::Next`, `ProcessBLSResponseDecoupled`, `GetResponseIterator` in
+python_backend). It stalled `pd` in a 16-client soak; `bench/bls_deadlock.py` reproduces it with two
+small models, and shows the gRPC path under the same load. Prefill's BLS call returns one response
+and makes no iterator, so it stays BLS.
 """
 
 from __future__ import annotations
@@ -118,7 +128,7 @@ class PdModel(_GenerationModel):
 
         p = model_params(PdParams, args)
         prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
-        decode = GrpcClient(p.decode_url) if p.decode_url else BlsClient()
+        decode = GrpcClient(p.decode_url) if p.decode_url else _local_decode_client(p.decode_via)
         # every cancel pass of the sender doubles as the fence that lets finished BLS streams go; the
         # stubs of the models reached by BLS are watched, so a dead one fails its waiting requests
         reached = ((p.prefill_model, p.prefill_url), (p.decode_model, p.decode_url))
@@ -144,6 +154,25 @@ class PdModel(_GenerationModel):
         super().finalize()
         self.orchestrator.close()
         RETIRED.drain()
+
+
+def _local_decode_client(via: str) -> Any:
+    """The client for a decode in this server: its own gRPC endpoint (module docstring), or BLS when
+    asked for or when this server serves no plain gRPC (said in the log, with the fix)."""
+    from rngd_pd.triton.clients import BlsClient, GrpcClient, local_grpc_url
+
+    if via == "bls":
+        pbutils.log("pd reaches decode by BLS (decode_via=bls), which can deadlock under concurrent "
+                    "load in Triton 2.51 (docs/serving.md)", "warn")
+        return BlsClient()
+    url, why = local_grpc_url()
+    if url is None:
+        pbutils.log(f"pd reaches decode by BLS: {why}, so its own gRPC endpoint cannot be used; BLS can "
+                    "deadlock under concurrent load in Triton 2.51: serve with plain gRPC enabled, or "
+                    "set decode_url (docs/serving.md)", "warn")
+        return BlsClient()
+    pbutils.log(f"pd reaches decode through this server's gRPC endpoint {url} ({why})")
+    return GrpcClient(url)
 
 
 class ColocatedModel(_GenerationModel):

@@ -11,6 +11,7 @@ from typing import Any
 from rngd_pd.triton import pbutils
 from rngd_pd.triton.params import (
     ENV_DECODE_URL,
+    ENV_DECODE_VIA,
     ENV_PREFILL_URL,
     ServingParams,
     describe,
@@ -63,7 +64,10 @@ class PdParams:
     prefill_url: str | None = param(None, env=ENV_PREFILL_URL,
                                     help="gRPC host:port of a tritonserver with prefill (empty: BLS here)")
     decode_url: str | None = param(None, env=ENV_DECODE_URL,
-                                   help="gRPC host:port of a tritonserver with decode (empty: BLS here)")
+                                   help="gRPC host:port of a tritonserver with decode (empty: this one)")
+    decode_via: str = param("grpc", env=ENV_DECODE_VIA, choices=("grpc", "bls"),
+                            help="how pd reaches a decode in this server: its own gRPC endpoint, or BLS "
+                                 "(which can deadlock Triton 2.51's stub under load: docs/serving.md)")
     prefill_model: str = param("prefill", help="name of the prefill model")
     decode_model: str = param("decode", help="name of the decode model")
     # Each running request holds up to two of the Python backend's pool threads (its prefill and its

@@ -8,7 +8,8 @@ For each transport it starts a relay when the transport needs one, then a triton
 decode, pd and colocated (cpu config), and streams prompts sequentially through both models: unique
 random ids of --prompt-len tokens each, so no request reuses another's prefix (prefix cache). The bare
 engine is the in-process ColocatedEngine set up as served (a share of 1 thread, idle cores lent).
-tpot_vs_bare is issue 13's single-stream figure (goal: at most 1.15).
+tpot_vs_bare is issue 13's single-stream figure (goal: at most 1.15). `--pd-bls` adds `pd_bls`, pd
+reaching decode by BLS instead of this server's gRPC endpoint (decode_via), in the same run.
 
 Requests to the two layouts alternate, so a load that drifts during the run hits both alike.
 
@@ -148,6 +149,19 @@ def transfer_ms(transport_name: str, loaded: Any, prompt_len: int, repeats: int 
     return statistics.median(samples[1:]) * 1e3
 
 
+def pd_copy(repo: Path, name: str, **params: str) -> None:
+    """A copy of `pd` named `name` in `repo` with some parameters changed (same model.py)."""
+    import re
+
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").symlink_to(ROOT / "model_repository" / "pd" / "1" / "model.py")
+    text = (ROOT / "model_repository" / "pd" / "config.pbtxt").read_text()
+    text = text.replace('name: "pd"', f'name: "{name}"')
+    for key, value in params.items():
+        text = re.sub(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
+    (repo / name / "config.pbtxt").write_text(text)
+
+
 def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Namespace,
                       bare: dict[str, float]) -> list[dict[str, Any]]:
     from rngd_pd.kv.relayproc import start_relay
@@ -163,11 +177,14 @@ def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Nam
         repo = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-bench-")))
         for model in ("prefill", "decode", "pd", "colocated"):
             (repo / model).symlink_to(ROOT / "model_repository" / model, target_is_directory=True)
+        if args.pd_bls:
+            pd_copy(repo, "pd_bls", decode_via="bls")
         cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
         server = stack.enter_context(TritonServer(cfg, log=repo / "tritonserver.log"))
         server.wait_ready(600)
-        runs: dict[str, list[list[float]]] = {"colocated": [], "pd": []}
-        prompts = iter(unique_prompts(2 * (args.requests + 1), len(ids), loaded.config.vocab_size, 1))
+        layouts = ("colocated", "pd", "pd_bls") if args.pd_bls else ("colocated", "pd")
+        runs: dict[str, list[list[float]]] = {m: [] for m in layouts}
+        prompts = iter(unique_prompts(len(runs) * (args.requests + 1), len(ids), loaded.config.vocab_size, 1))
         for _ in range(args.requests + 1):  # alternate, so drifting load hits both layouts alike
             for model, times in runs.items():
                 times.append(stream_times(server.grpc_url, model, next(prompts), args.max_tokens))
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=5, help="measured requests per layout (+1 warm-up)")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    parser.add_argument("--pd-bls", action="store_true",
+                        help="also `pd_bls`: pd reaching decode by BLS (decode_via=bls), its former path")
     args = parser.parse_args(argv)
 
     from rngd_pd.devices.cpu_features import choose_compute_dtype

@@ -243,6 +243,22 @@ def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
     assert results == expected
 
 
+def test_pd_reaches_decode_through_this_servers_own_grpc_endpoint(server) -> None:
+    """decode_via=grpc, the default: the endpoint comes from tritonserver's command line (decoupled
+    BLS deadlocks Triton 2.51's stub under load, rngd_pd.triton.pd_model)."""
+    log = server._log.read_text(errors="replace")
+    assert f"pd reaches decode through this server's gRPC endpoint {server.grpc_url}" in log
+
+
+def test_decode_by_bls_still_serves_correct_tokens(env: dict[str, str]) -> None:
+    """decode_via=bls (forced, or where the server has no plain gRPC) is the old path, kept working."""
+    with triton_server(E.REPOSITORY, "cpu", {**env, "RNGD_PD_DECODE_VIA": "bls"},
+                       models=["pd", "llm"]) as bls_server:
+        results, expected = _concurrent_streams(bls_server, 4, timeout=300)
+        assert results == expected
+        assert "pd reaches decode by BLS (decode_via=bls)" in bls_server._log.read_text(errors="replace")
+
+
 def test_stub_threads_do_not_grow_with_the_requests_served(server) -> None:
     """pd and decode run requests on fixed pools and send through one thread each: after rounds of 16
     concurrent streams their stubs have as many threads as after the first round, within a bound."""

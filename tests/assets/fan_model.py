@@ -47,7 +47,8 @@ class TritonPythonModel:
     def _run(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            n = {name: pbutils.input_scalar(request, name, 0) for name in ("threads", "loops", "tokens", "spin")}
+            names = ("threads", "loops", "tokens", "spin")
+            n = {name: pbutils.input_scalar(request, name, 0) for name in names}
             done: list = []
             stop: list = []
 

@@ -167,3 +167,19 @@ def test_a_response_becomes_arrays_of_its_own_and_says_whether_it_is_final() -> 
     assert W.is_final(resp) and out["output_ids"].tolist() == [5, 6, 7]
     assert out["output_ids"].flags.writeable  # a copy, not a view of the protobuf's bytes
     assert out["finish_reason"].dtype == np.object_ and out["finish_reason"].tolist() == [b"length"]
+
+
+def test_a_stream_to_an_endpoint_nobody_serves_fails_at_once_naming_it() -> None:
+    from rngd_pd import errors
+    from rngd_pd.triton.clients import GrpcClient
+    from rngd_pd.triton.server import free_port
+
+    url = f"127.0.0.1:{free_port()}"
+    client = GrpcClient(url)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(errors.RngdPdError, match=rf"{url}: gRPC UNAVAILABLE"):
+            list(client.stream("decode", {"prompt_len": np.array([3], np.int32)}, ("output_ids",)))
+    finally:
+        client.close()
+    assert time.monotonic() - t0 < 10

@@ -1,11 +1,13 @@
-"""Two ways to reach a model for the orchestrator: BLS inside this tritonserver, tritonclient gRPC outside.
+"""Two ways to reach a model for the orchestrator: BLS inside this tritonserver, or gRPC to a
+tritonserver's endpoint (another server's, or this one's own: `local_grpc_url`).
 
 Both satisfy `rngd_pd.triton.orchestrator.ModelClient` and turn an error response back into our own
 exception type (`errors.from_wire`), so pd's error names the transport whichever way it came.
 
 Triton 2.51 facts this leans on: `exec(decoupled=True)` blocks until the first response arrives (so the
 orchestrator drives decode from its own thread), async BLS is unsupported in decoupled models, and a
-BLS stream cannot be cancelled by its caller.
+BLS stream cannot be cancelled by its caller. Concurrent decoupled BLS streams can also deadlock the
+stub (rngd_pd.triton.pd_model), which is why pd reaches decode by gRPC even in its own server.
 
 One more, found the hard way (a stub crash under concurrent streams: `double free`, "Reference count
 error ... dtype 17 (O)"): when a BLS stream ends, the stub's stub-to-parent thread drops its reference
@@ -236,7 +238,11 @@ class GrpcClient:
         """One stream's responses into `items`: ("out", arrays, final) ..., or ("err", message)."""
         import grpc
 
-        call = self._stream_stub().ModelStreamInfer(grpc_wire.once(request))
+        try:
+            call = self._stream_stub().ModelStreamInfer(grpc_wire.once(request))
+        except Exception as exc:  # e.g. a malformed address: the reader must hear of it at once
+            items.put(("err", f"cannot open a gRPC stream: {type(exc).__name__}: {exc}"))
+            return
         done = False
         try:
             async for response in call:

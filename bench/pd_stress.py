@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log", type=Path,
                    help="keep the tritonserver log here (with --runs > 1: NAME.runK.SUFFIX per run)")
     p.add_argument("--extra", action="append", default=[], help="extra tritonserver argument (repeatable)")
-    p.add_argument("--decode-by", choices=("bls", "grpc"), default="bls",
-                   help="how pd reaches decode: BLS (default) or gRPC to this same server (decode_url)")
+    p.add_argument("--decode-by", choices=("grpc", "bls", "url"), default="grpc",
+                   help="how pd reaches decode: this server's gRPC endpoint found by pd (default, "
+                        "decode_via=grpc), decoupled BLS (decode_via=bls), or the endpoint as decode_url")
     p.add_argument("--prefill-by", choices=("bls", "grpc"), default="bls",
                    help="how pd reaches prefill: BLS (default) or gRPC to this same server (prefill_url)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
     """(rows, server log text, error) of one run with a fresh relay and server, both stopped at its end."""
     from rngd_pd.errors import RngdPdError
     from rngd_pd.kv.relayproc import start_relay
-    from rngd_pd.triton.params import ENV_DECODE_URL, ENV_PREFILL_URL
+    from rngd_pd.triton.params import ENV_DECODE_URL, ENV_DECODE_VIA, ENV_PREFILL_URL
     from rngd_pd.triton.server import ServerConfig, TritonServer, free_port
 
     rows: list[dict] = []
@@ -233,8 +234,9 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
                     relay = serving.enter_context(start_relay()).addr
                 env = transport_env(args.transport, shm, relay)
                 grpc_port = free_port("127.0.0.1")
-                if args.decode_by == "grpc":
+                if args.decode_by == "url":
                     env[ENV_DECODE_URL] = f"127.0.0.1:{grpc_port}"
+                env[ENV_DECODE_VIA] = "bls" if args.decode_by == "bls" else "grpc"
                 if args.prefill_by == "grpc":
                     env[ENV_PREFILL_URL] = f"127.0.0.1:{grpc_port}"
                 env["RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS"] = str(args.local_prefill)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -413,13 +414,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_process_exits_when_its_parent_dies() -> None:
+@pytest.mark.parametrize("hold", ["time.sleep(60)", "ctypes.PyDLL(None).sleep(60)"],
+                         ids=["idle", "holding-the-gil"])
+def test_a_process_exits_when_its_parent_dies(hold: str) -> None:
     """children.exit_when_orphaned (every model's initialize): a stub whose tritonserver was killed
-    exits instead of living on with the model in memory."""
-    import time
-
-    child = ("import time; from rngd_pd.children import exit_when_orphaned; exit_when_orphaned(0.05); "
-             "print('watching', flush=True); time.sleep(60)")
+    exits instead of living on with the model in memory, also one whose GIL is held for good (a
+    stub orphaned inside an IPC call to its server: no Python thread of it runs again)."""
+    child = ("import ctypes, time; from rngd_pd.children import exit_when_orphaned; "
+             f"exit_when_orphaned(0.05); print('watching', flush=True); {hold}")
     code = (f"import subprocess, sys, os; c = subprocess.Popen([sys.executable, '-c', {child!r}], "
             "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); c.stdout.readline(); "
             "print(c.pid, flush=True); os._exit(0)")  # dies once the child watches, as a killed server
@@ -429,6 +431,18 @@ def test_a_process_exits_when_its_parent_dies() -> None:
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid), f"process {pid} outlived its parent"
+
+
+def test_the_orphan_watcher_ends_with_the_process_it_watches() -> None:
+    """A process that exits normally takes its watcher with it (nothing left polling, no pid reused)."""
+    child = ("import rngd_pd.children as c; c.exit_when_orphaned(0.05); "
+             "print(c._orphan_watch.pid, flush=True)")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    watcher = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(watcher) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(watcher), f"watcher {watcher} outlived the process it watched"
 
 
 def _metrics(pending: dict[str, int], runs: dict[str, int]) -> str:

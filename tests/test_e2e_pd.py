@@ -269,9 +269,10 @@ def test_stub_threads_do_not_grow_with_the_requests_served(server) -> None:
         assert results == expected
         counts.append({m: E.thread_count(pid) for m, pid in stubs.items()})
     assert counts[2] == counts[1], counts
-    # pd: 32 request workers + 32 decode-stream readers + the sender + Triton's own few;
-    # decode: 8 KV loaders + scheduler + sender + torch/Triton's own
-    assert counts[2]["pd"] <= 2 * 32 + 16 and counts[2]["decode"] <= 8 + 16, counts
+    # pd: 32 request workers + 32 decode-stream readers + the sender + the gRPC loop (its streams to
+    # decode) + gRPC's and Triton's own few (77 in all here); decode: 8 KV loaders + scheduler +
+    # sender + torch/Triton's own
+    assert counts[2]["pd"] <= 2 * 32 + 24 and counts[2]["decode"] <= 8 + 16, counts
 
 
 def test_metrics_show_the_airm_families_after_traffic(server) -> None:

@@ -1,8 +1,9 @@
 """e2e: the load under which decoupled BLS deadlocks Triton 2.51's stub, through the gRPC path pd uses.
 
 `bench/bls_deadlock.py` reproduces the deadlock itself (a race, so a rate: by BLS 2 of 3 runs of 16
-threads x 30 streams stalled here, bench/results/decode-via-2026-12-02). This test runs the same fan-out model with `via grpc` and requires
-every stream back, with and without threads keeping the GIL busy.
+threads x 30 streams stalled here, bench/results/decode-via-2026-12-02). This test runs the same
+fan-out model with `via grpc` and requires every stream back, with and without threads keeping the
+GIL busy.
 """
 
 from __future__ import annotations

@@ -149,17 +149,24 @@ def transfer_ms(transport_name: str, loaded: Any, prompt_len: int, repeats: int 
     return statistics.median(samples[1:]) * 1e3
 
 
-def pd_copy(repo: Path, name: str, **params: str) -> None:
-    """A copy of `pd` named `name` in `repo` with some parameters changed (same model.py)."""
+def model_copy(repo: Path, model: str, name: str, **params: str) -> None:
+    """A copy of `model` named `name` in `repo` (same model.py; config.pbtxt and every configs/*.pbtxt)
+    with some parameters set: an existing one changed, a missing one added."""
     import re
 
+    src = ROOT / "model_repository" / model
     (repo / name / "1").mkdir(parents=True)
-    (repo / name / "1" / "model.py").symlink_to(ROOT / "model_repository" / "pd" / "1" / "model.py")
-    text = (ROOT / "model_repository" / "pd" / "config.pbtxt").read_text()
-    text = text.replace('name: "pd"', f'name: "{name}"')
-    for key, value in params.items():
-        text = re.sub(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
-    (repo / name / "config.pbtxt").write_text(text)
+    (repo / name / "1" / "model.py").symlink_to(src / "1" / "model.py")
+    for config in [src / "config.pbtxt", *sorted((src / "configs").glob("*.pbtxt"))]:
+        text = config.read_text().replace(f'name: "{model}"', f'name: "{name}"')
+        for key, value in params.items():
+            line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+            pattern = rf'parameters {{ key: "{key}" value: {{ string_value: "[^"]*" }} }}'
+            text, n = re.subn(pattern, line, text)
+            text += "" if n else line + "\n"
+        out = repo / name / config.relative_to(src)
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(text)
 
 
 def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Namespace,
@@ -178,7 +185,7 @@ def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Nam
         for model in ("prefill", "decode", "pd", "colocated"):
             (repo / model).symlink_to(ROOT / "model_repository" / model, target_is_directory=True)
         if args.pd_bls:
-            pd_copy(repo, "pd_bls", decode_via="bls")
+            model_copy(repo, "pd", "pd_bls", decode_via="bls")
         cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
         server = stack.enter_context(TritonServer(cfg, log=repo / "tritonserver.log"))
         server.wait_ready(600)

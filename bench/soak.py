@@ -157,15 +157,18 @@ def stub_label(args: list[str]) -> str:
 
 
 def proc_stats(pid: int) -> dict[str, Any] | None:
-    """RSS (MB), threads and open files of one process; None when it is gone."""
+    """RSS (MB), threads and open files of one process; None when it is gone. RSS is also split into
+    anonymous memory (the heap: where a leak shows) and mapped shared memory (the shm transport's
+    pooled slot files, trimmed when idle)."""
     try:
         status = _read(f"/proc/{pid}/status")
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    rss_kb = int(fields.get("VmRSS", "0 kB").split()[0])
-    return {"pid": pid, "rss_mb": round(rss_kb / 1024, 1), "threads": int(fields["Threads"]), "fds": fds}
+    mb = lambda name: round(int(fields.get(name, "0 kB").split()[0]) / 1024, 1)  # noqa: E731
+    return {"pid": pid, "rss_mb": mb("VmRSS"), "anon_mb": mb("RssAnon"), "shm_mb": mb("RssShmem"),
+            "threads": int(fields["Threads"]), "fds": fds}
 
 
 def sample_stubs(root: int | None, name: str = STUB_NAME) -> dict[str, dict[str, Any]]:
@@ -492,7 +495,8 @@ def growth_rows(base: dict, after: dict) -> dict[str, dict[str, Any]]:
     for label, b in base["stubs"].items():
         a = after["stubs"].get(label)
         if a is not None:
-            out[label] = {k: [b[k], a[k], round(a[k] - b[k], 1)] for k in ("rss_mb", "threads", "fds")}
+            keys = [k for k in ("rss_mb", "anon_mb", "shm_mb", "threads", "fds") if k in a and k in b]
+            out[label] = {k: [b[k], a[k], round(a[k] - b[k], 1)] for k in keys}
     return out
 
 
@@ -559,8 +563,10 @@ def format_summary(s: dict, args: argparse.Namespace) -> str:
         f"threads/fds/blobs must return to the baseline):",
     ]
     for label, g in s["growth"].items():
+        split = "".join(f", {name} {g[k][0]:.0f} -> {g[k][1]:.0f}" for k, name in
+                        (("anon_mb", "anon"), ("shm_mb", "shm")) if k in g)
         lines.append(f"  {label:<16} RSS {g['rss_mb'][0]:.0f} -> {g['rss_mb'][1]:.0f} MB "
-                     f"({g['rss_mb'][2]:+.0f})"
+                     f"({g['rss_mb'][2]:+.0f}{split})"
                      f"  threads {g['threads'][0]} -> {g['threads'][1]} ({g['threads'][2]:+d})"
                      f"  fds {g['fds'][0]} -> {g['fds'][1]} ({g['fds'][2]:+d})")
     b0, b1 = s["blobs"]

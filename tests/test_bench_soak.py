@@ -62,6 +62,22 @@ def test_proc_stats_of_this_process() -> None:
     assert K.proc_stats(2**22 + 12345) is None  # no such process
 
 
+def test_proc_stats_splits_heap_from_mapped_shared_memory() -> None:
+    import mmap
+
+    before = K.proc_stats(os.getpid())
+    with open("/dev/shm/rngd-pd-test-soak-" + str(os.getpid()), "w+b") as f:
+        try:
+            f.truncate(32 << 20)
+            with mmap.mmap(f.fileno(), 32 << 20) as m:
+                m[:] = b"x" * (32 << 20)  # touch every page: 32 MB of shared memory resident
+                after = K.proc_stats(os.getpid())
+        finally:
+            os.unlink(f.name)
+    assert after["shm_mb"] - before["shm_mb"] >= 30
+    assert 0 < after["anon_mb"] <= after["rss_mb"]
+
+
 def test_sampler_finds_named_processes_below_a_root_children_and_grandchildren() -> None:
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
     try:

@@ -46,8 +46,8 @@ def build_repo(repo: Path, dtypes: tuple[str, ...]) -> None:
 
 def chosen(log: str, model: str) -> str:
     """What the instance of `model` logged as its compute dtype (the first such line)."""
-    m = re.search(rf"{model}_0_0: compute dtype (\S+) \((.*)\)\s*$", log, re.M)
-    return f"{m.group(1)} ({m.group(2)[:110]})" if m else "?"
+    m = re.search(rf'{model}_0_0: compute dtype (\S+) \((.*)\)"?\s*$', log, re.M)
+    return f"{m.group(1)} ({m.group(2)})" if m else "?"
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -35,7 +35,9 @@ def test_dtype_repo_wires_each_pd_to_its_own_dtype(tmp_path: Path) -> None:
 
 
 def test_chosen_reads_the_instance_log_line() -> None:
-    log = ("I1202 x serving.py] prefill_bf16_0_0: compute dtype bf16 (forced by parameter dtype)\n"
+    log = ('I1202 13:59:48.637363 13649 pbutils.py:202] "prefill_bf16_0_0: compute dtype bf16 (forced by '
+           'the dtype parameter)"\n'
+           "I1202 x serving.py] prefill_bf16_0_0: compute dtype bf16 (forced by parameter dtype)\n"
            "I1202 x serving.py] decode_auto_0_0: compute dtype fp32 (auto (decode, measured): fp32 wins)\n")
     assert D.chosen(log, "prefill_bf16").startswith("bf16 (forced")
     assert D.chosen(log, "decode_auto").startswith("fp32 (auto")

@@ -22,6 +22,8 @@ it starts is stopped by process group at the end, also on failure or Ctrl-C.
    after it (once the server settled): per Triton Python stub (processes named
    triton_python_backend_stub that descend from the tritonserver) RSS, threads and open files, and the
    transport's live blobs (shm: files under PD_SHM_ROOT/keys; tcp/nixl-ucx: the relay's blob count).
+   RSS is also split into anonymous memory (the heap, where a leak shows) and mapped shared memory
+   (the shm transport's pooled slot files, which follow the load and are trimmed when idle).
 
 Exit status 1 on any error, mismatch, crash sign in the server log, or growth from the idle sample taken
 right before the load to the sample after it: threads, open files and blobs must come back to that

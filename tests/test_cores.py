@@ -138,7 +138,10 @@ def test_the_runtime_lends_only_where_the_bits_stay_the_same(tmp_path: Path, mon
     runtime = as_runtime(load_model(dtype=torch.float32, progress=False))
     try:
         said = runtime.share_cores("both")
-        assert said.startswith("1 threads, up to 2") and runtime.cores.lend
+        if runtime.cores.lend:
+            assert said.startswith("1 threads, up to 2")
+        else:  # this CPU gives other bits on 2 threads (an AMX-BF16 Xeon): keep the share, say why
+            assert said.startswith("1 threads always: ") and len(said) > len("1 threads always: ")
         runtime.compute_thread()
         ids = runtime.tokens(list(range(3, 40)))
         alone, kv = runtime.prefill(ids)  # on 2 threads: nothing else is computing

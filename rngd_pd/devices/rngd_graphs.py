@@ -12,15 +12,17 @@ panic in the SDK aborts the interpreter; the parent reports it as a failed graph
 
 The graphs (static shapes, KV as explicit graph inputs and outputs, no module state):
 
-* `prefill` T: tokens int64 [T] -> (logits fp32 [vocab], K_0, V_0, ..., K_{n-1}, V_{n-1}), each
-  K/V [kv_heads, T, head_dim] in the KV dtype. It is `Llama.prefill` itself (its body, without the
-  inference-mode decorator, which torch.export cannot trace), for a first chunk (no past).
-* `decode` BxL: tokens int64 [B], positions int64 [B], slots int64 [B], K_0, V_0, ... each
-  [B, kv_heads, L, head_dim] (a static cache of B slots of L positions) -> (logits fp32 [B, vocab],
-  the updated K_0, V_0, ...). The same blocks as `Llama.decode_step` (its projections, RoPE,
-  `_attend`, SwiGLU, final norm) written without its host-side work: no `.tolist()`, no packed oneDNN
-  weights or zero-padded rows (CPU batch-invariance devices), attention over the whole bucket L with
-  the positions' mask (keys past a row's position weigh exactly zero, as in decode_step's padding).
+* `prefill` T: x [T, hidden] (the tokens' embedding rows, looked up on the host: `embed_rows`) ->
+  (logits fp32 [vocab], K_0, V_0, ..., K_{n-1}, V_{n-1}), each K/V [kv_heads, T, head_dim] in the KV
+  dtype. It is `Llama.prefill` itself (`prefill_embedded`, its body after the embedding lookup and
+  without the inference-mode decorator, which torch.export cannot trace), for a first chunk (no past).
+* `decode` BxL: x [B, hidden] (embedding rows, as prefill's), positions int64 [B], slots int64
+  [B], K_0, V_0, ... each [B, kv_heads, L, head_dim] (a static cache of B slots of L positions)
+  -> (logits fp32 [B, vocab], the updated K_0, V_0, ...). The same blocks as `Llama.decode_step`
+  (its projections, RoPE, `_attend`, SwiGLU, final norm) written without its host-side work: no
+  `.tolist()`, no packed oneDNN weights or zero-padded rows (CPU batch-invariance devices),
+  attention over the whole bucket L with the positions' mask (keys past a row's position weigh
+  exactly zero, as in decode_step's padding).
 
 Each graph goes through furiosa's own preprocessing (`preprocess_exported_program`: its 802
 decomposition rules; torch's `run_decompositions()` would give aten.addmm, which the DFG importer
@@ -111,8 +113,8 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             super().__init__()
             self.model = model
 
-        def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            logits, kv = L.Llama.prefill.__wrapped__(self.model, tokens, None, None, kv_dtype)
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            logits, kv = self.model.prefill_embedded(x, None, None, kv_dtype)
             return (logits, *[t for pair in kv for t in pair])
 
     class DecodeGraph(nn.Module):
@@ -129,20 +131,19 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             self.register_buffer("heads", torch.arange(c.num_kv_heads), persistent=False)
             self.register_buffer("slot_ids", torch.arange(b), persistent=False)  # the cache's B slots
 
-        def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
             m, b, n = self.model, self.b, self.n
             # keys row b cannot see, [B, L]; decode_step's ~(keys <= position): the compiler refuses
             # aten.bitwise_not past its DFG stage ("Lowering Deadline Violation")
             hidden = self.keys[None, :] > positions[:, None]
-            bias = torch.zeros(b, 1, 1, n, device=tokens.device).masked_fill(
+            bias = torch.zeros(b, 1, 1, n, device=x.device).masked_fill(
                 hidden.view(b, 1, 1, n), float("-inf"))
             cos = self.cos[positions].to(m.dtype)[:, None]  # [B, 1, hd]
             sin = self.sin[positions].to(m.dtype)[:, None]
             groups = c.num_heads // c.num_kv_heads
             at = (slots[:, None], self.heads[None, :], positions[:, None])  # [B, KVH] index triples
             pick = (slots[:, None] == self.slot_ids[None, :]).to(kv[0].dtype)  # [B, S] one-hot rows
-            x = torch.nn.functional.embedding(tokens, m.embed)  # [B, D]
             out: list[torch.Tensor] = []
             for i, layer in enumerate(m.layers):
                 qk, v = layer.qkv_heads(x)
@@ -160,12 +161,23 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             return (m._logits(x), *out)
 
     if spec.kind == "prefill":
-        return PrefillGraph(), (torch.arange(spec.t, dtype=torch.long) % c.vocab_size,)
+        return PrefillGraph(), (embed_rows(model, torch.arange(spec.t, dtype=torch.long) % c.vocab_size),)
     b, n = spec.b, spec.l
     shape = (b, c.num_kv_heads, n, c.head_dim)
     kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * len(model.layers)))
     positions = torch.arange(b, dtype=torch.long) % n
-    return DecodeGraph(b, n), (torch.ones(b, dtype=torch.long), positions, torch.arange(b), *kv)
+    x = embed_rows(model, torch.ones(b, dtype=torch.long))
+    return DecodeGraph(b, n), (x, positions, torch.arange(b), *kv)
+
+
+def embed_rows(model: Any, tokens: Any) -> Any:
+    """The graphs' first input: the tokens' embedding rows [T, D], looked up on the host (a row copy
+    per token; 0.6 MB for a 512-token chunk of SmolLM2). In the graph, furiosa's lowering leaves a
+    gather of 64 or more rows un-lowered ("count_valid_operators_if(... is_low_level() ...) (1) != 0"),
+    and 16 gathers of 32 rows for a 512-token chunk as well (docs/devices-rngd.md)."""
+    import torch
+
+    return torch.nn.functional.embedding(tokens, model.embed)
 
 
 def _gather(pick: Any, cache: Any) -> Any:
@@ -541,7 +553,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                     kv[first + j] = host.to(dev)
                 reply({})
             elif op == "prefill":
-                out = graphs[f"prefill_t{ts[0].shape[0]}"](ts[0].to(dev))
+                out = graphs[f"prefill_t{ts[0].shape[0]}"](embed_rows(loaded.model, ts[0]).to(dev))
                 reply({}, [t.cpu() for t in out])
             elif op == "decode":
                 kv = caches[msg["cache"]]
@@ -550,8 +562,9 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                 name = f"decode_b{width}_l{kv[0].shape[2]}"
                 pad = width - rows
                 if pad:
-                    tokens, positions, slots = (torch.cat([x, x[:1].expand(pad)]) for x in ts)
-                out = graphs[name](tokens.to(dev), positions.to(dev), slots.to(dev), *kv)
+                    tokens, positions, slots = (torch.cat([v, v[:1].expand(pad)]) for v in ts)
+                x = embed_rows(loaded.model, tokens)
+                out = graphs[name](x.to(dev), positions.to(dev), slots.to(dev), *kv)
                 caches[msg["cache"]] = list(out[1:])
                 reply({}, [out[0].cpu()[:rows]])
             elif op == "memory":

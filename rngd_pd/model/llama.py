@@ -246,16 +246,26 @@ class Llama(nn.Module):
         K/V per layer are [kv_heads, T, head_dim] in kv_dtype; on_layer(i, K, V) gets them as soon
         as layer i computed them. Attention reads the kv_dtype-rounded values, as decode will.
         """
-        c = self.config
-        t = int(tokens.shape[0])
-        p = int(past[0][0].shape[1]) if past else 0
-        if t < 1:
+        if int(tokens.shape[0]) < 1:
             raise ConfigError("prefill needs at least one token")
+        return self.prefill_embedded(F.embedding(tokens, self.embed), past, on_layer, kv_dtype)
+
+    def prefill_embedded(
+        self,
+        x: Tensor,
+        past: KV | None = None,
+        on_layer: OnLayer | None = None,
+        kv_dtype: torch.dtype = torch.bfloat16,
+    ) -> tuple[Tensor, KV]:
+        """`prefill` from the prompt's embedded rows x [T, D]: the graph an NPU compiler traces
+        (rngd_graphs gathers the embedding rows in pieces its compiler accepts)."""
+        c = self.config
+        t = int(x.shape[0])
+        p = int(past[0][0].shape[1]) if past else 0
         if past is not None and len(past) != c.num_layers:
             raise ConfigError(f"past has K/V for {len(past)} layers, the model has {c.num_layers}")
         cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
         blocks = _causal_blocks(p, t, self.embed.device)
-        x = F.embedding(tokens, self.embed)  # [T, D]
         out: KV = []
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x)

@@ -41,7 +41,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -208,7 +210,6 @@ TOOLCHAIN_HINT = ("install an aarch64 cross compiler with its libc headers, e.g.
 def toolchain_missing(path: str | None = None) -> str | None:
     """Why the furiosa compiler cannot finish here (it runs `aarch64-linux-gnu-gcc -lpe ...` on C
     code that includes <assert.h>), or None. `path`: the PATH to look in (default: $PATH)."""
-    import shutil
     import subprocess
 
     cc = shutil.which(TOOLCHAIN, path=path)
@@ -229,7 +230,6 @@ def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
     """`make test`'s toolchain step: 0 when `aarch64-linux-gnu-gcc` and its libc headers work (after
     installing them with apt-get when `install`, missing and root), else 1 with the exact command
     to run. Never a silent skip: the message says what is missing and how to get it."""
-    import shutil
     import subprocess
 
     env = dict(os.environ if env is None else env)
@@ -373,19 +373,26 @@ def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
         if args.stage != "import":
             row["stage"] = args.stage
             cc = compiler_config(args.tactic_hint, args.max_unique_shapes)
-            root = None if args.no_cache else config.CacheConfig.default_cache_dir()
-            row["cache_dir"] = root
+            # --no-cache: an empty cache of its own, removed after; the compiler still reads and writes
+            # its default cache with root_dir=None (seen: a graph compiled before came back in 17 s)
+            fresh = tempfile.mkdtemp(prefix="rngd-compile-") if args.no_cache else None
+            root = fresh or config.CacheConfig.default_cache_dir()
+            row["cache_dir"] = None if fresh else root
             before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
             t = time.perf_counter()
-            with config.cache_context(root_dir=root):
-                if args.stage == "lower":
-                    compiler.lower(ep, cc, task_name=spec.name)
-                else:
-                    runnable = compiler.compile(ep, cc, task_name=spec.name)
-                    row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
+            try:
+                with config.cache_context(root_dir=root):
+                    if args.stage == "lower":
+                        compiler.lower(ep, cc, task_name=spec.name)
+                    else:
+                        runnable = compiler.compile(ep, cc, task_name=spec.name)
+                        row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
+                if root:
+                    row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
+            finally:
+                if fresh:
+                    shutil.rmtree(fresh, ignore_errors=True)
             secs[args.stage] = round(time.perf_counter() - t, 2)
-            if root:
-                row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
         row.update(ok=True, stage="done")
     except BaseException as exc:  # PyO3's PanicException is a BaseException; it is the row's error
         text = f"{type(exc).__name__}: {exc}"

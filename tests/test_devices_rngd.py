@@ -155,7 +155,7 @@ def test_export_wrappers_compute_what_the_model_computes(smollm_bf16):
     tokens = torch.tensor([1, 22, 333, 4444, 5, 66, 7, 8] * 5)
     ep = rngd_graphs.export(m, rngd_graphs.GraphSpec("prefill", t=40), torch.bfloat16)
     ref_logits, ref_kv = m.prefill(tokens)
-    got = ep.module()(rngd_graphs.embed_rows(m, tokens))
+    got = ep.module()(m.embed_tokens(tokens))
     assert torch.equal(got[0], ref_logits)
     assert all(torch.equal(a, b) for a, b in zip(got[1:], [t for kv in ref_kv for t in kv], strict=True))
 
@@ -164,7 +164,7 @@ def test_export_wrappers_compute_what_the_model_computes(smollm_bf16):
     kv = [t.clone() for pair in zip(cache.k, cache.v, strict=True) for t in pair]
     step = (torch.tensor([9, 10]), torch.tensor([40, 0]), torch.tensor([0, 1]))
     ep = rngd_graphs.export(m, rngd_graphs.GraphSpec("decode", b=2, l=64), torch.bfloat16)
-    got = ep.module()(rngd_graphs.embed_rows(m, step[0]), *step[1:], *kv)
+    got = ep.module()(m.embed_tokens(step[0]), *step[1:], *kv)
     ref = m.decode_step(step[0], step[1], cache, step[2])
     # decode_step runs oneDNN-packed projections on the CPU and attends over 16 keys, the graph F.linear
     # over its whole bucket: the same model, not always the same bits
@@ -177,7 +177,7 @@ def test_export_wrappers_compute_what_the_model_computes(smollm_bf16):
 
 def test_the_graphs_take_embedding_rows_from_the_host(smollm_bf16):
     """furiosa leaves an embedding gather of 64+ rows (or 16 of 32 rows) un-lowered: no graph looks
-    up the table; the host does (embed_rows)."""
+    up the table; the host does (Llama.embed_tokens)."""
     m = smollm_bf16.model
     for spec in (rngd_graphs.GraphSpec("prefill", t=64), rngd_graphs.GraphSpec("decode", b=2, l=32)):
         ep = rngd_graphs.export(m, spec, torch.bfloat16)

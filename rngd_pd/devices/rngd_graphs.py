@@ -12,7 +12,7 @@ panic in the SDK aborts the interpreter; the parent reports it as a failed graph
 
 The graphs (static shapes, KV as explicit graph inputs and outputs, no module state):
 
-* `prefill` T: x [T, hidden] (the tokens' embedding rows, looked up on the host: `embed_rows`) ->
+* `prefill` T: x [T, hidden] (the tokens' embedding rows, looked up on the host: `embed_tokens`) ->
   (logits fp32 [vocab], K_0, V_0, ..., K_{n-1}, V_{n-1}), each K/V [kv_heads, T, head_dim] in the KV
   dtype. It is `Llama.prefill` itself (`prefill_embedded`, its body after the embedding lookup and
   without the inference-mode decorator, which torch.export cannot trace), for a first chunk (no past).
@@ -100,7 +100,12 @@ def _dtype(name: str) -> Any:
 
 
 def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tuple[Any, ...]]:
-    """(nn.Module, example inputs) of one graph; `model` is a `rngd_pd.model.llama.Llama`."""
+    """(nn.Module, example inputs) of one graph; `model` is a `rngd_pd.model.llama.Llama`.
+
+    Both graphs take the tokens' embedding rows (`model.embed_tokens`, looked up on the host: a row
+    copy, 0.6 MB for a 512-token chunk of SmolLM2): furiosa's lowering leaves a gather of 64 or more
+    rows un-lowered ("count_valid_operators_if(... is_low_level() ...) (1) != 0"), and 16 gathers of
+    32 rows for a 512-token chunk as well (docs/devices-rngd.md)."""
     import torch
     from torch import nn
 
@@ -163,23 +168,13 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             return (m._logits(x), *out)
 
     if spec.kind == "prefill":
-        return PrefillGraph(), (embed_rows(model, torch.arange(spec.t, dtype=torch.long) % c.vocab_size),)
+        return PrefillGraph(), (model.embed_tokens(torch.arange(spec.t, dtype=torch.long) % c.vocab_size),)
     b, n = spec.b, spec.l
     shape = (b, c.num_kv_heads, n, c.head_dim)
     kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * len(model.layers)))
     positions = torch.arange(b, dtype=torch.long) % n
-    x = embed_rows(model, torch.ones(b, dtype=torch.long))
+    x = model.embed_tokens(torch.ones(b, dtype=torch.long))
     return DecodeGraph(b, n), (x, positions, torch.arange(b), *kv)
-
-
-def embed_rows(model: Any, tokens: Any) -> Any:
-    """The graphs' first input: the tokens' embedding rows [T, D], looked up on the host (a row copy
-    per token; 0.6 MB for a 512-token chunk of SmolLM2). In the graph, furiosa's lowering leaves a
-    gather of 64 or more rows un-lowered ("count_valid_operators_if(... is_low_level() ...) (1) != 0"),
-    and 16 gathers of 32 rows for a 512-token chunk as well (docs/devices-rngd.md)."""
-    import torch
-
-    return torch.nn.functional.embedding(tokens, model.embed)
 
 
 def _gather(pick: Any, cache: Any) -> Any:
@@ -560,7 +555,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                     kv[first + j] = host.to(dev)
                 reply({})
             elif op == "prefill":
-                out = graphs[f"prefill_t{ts[0].shape[0]}"](embed_rows(loaded.model, ts[0]).to(dev))
+                out = graphs[f"prefill_t{ts[0].shape[0]}"](loaded.model.embed_tokens(ts[0]).to(dev))
                 reply({}, [t.cpu() for t in out])
             elif op == "decode":
                 kv = caches[msg["cache"]]
@@ -570,7 +565,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                 pad = width - rows
                 if pad:
                     tokens, positions, slots = (torch.cat([v, v[:1].expand(pad)]) for v in ts)
-                x = embed_rows(loaded.model, tokens)
+                x = loaded.model.embed_tokens(tokens)
                 out = graphs[name](x.to(dev), positions.to(dev), slots.to(dev), *kv)
                 caches[msg["cache"]] = list(out[1:])
                 reply({}, [out[0].cpu()[:rows]])

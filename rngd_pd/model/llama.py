@@ -246,9 +246,12 @@ class Llama(nn.Module):
         K/V per layer are [kv_heads, T, head_dim] in kv_dtype; on_layer(i, K, V) gets them as soon
         as layer i computed them. Attention reads the kv_dtype-rounded values, as decode will.
         """
-        if int(tokens.shape[0]) < 1:
-            raise ConfigError("prefill needs at least one token")
-        return self.prefill_embedded(F.embedding(tokens, self.embed), past, on_layer, kv_dtype)
+        return self.prefill_embedded(self.embed_tokens(tokens), past, on_layer, kv_dtype)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [N] -> their embedding rows [N, D]: the one lookup every graph of the model starts
+        with (the RNGD graphs take its result as input: docs/devices-rngd.md)."""
+        return F.embedding(tokens, self.embed)
 
     def prefill_embedded(
         self,
@@ -257,11 +260,13 @@ class Llama(nn.Module):
         on_layer: OnLayer | None = None,
         kv_dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[Tensor, KV]:
-        """`prefill` from the prompt's embedded rows x [T, D]: the graph an NPU compiler traces
-        (rngd_graphs gathers the embedding rows in pieces its compiler accepts)."""
+        """`prefill` from the prompt's embedding rows x [T, D] (`embed_tokens`): the graph an NPU
+        compiler traces, since furiosa cannot lower the lookup of a long prompt (rngd_graphs)."""
         c = self.config
         t = int(x.shape[0])
         p = int(past[0][0].shape[1]) if past else 0
+        if t < 1:
+            raise ConfigError("prefill needs at least one token")
         if past is not None and len(past) != c.num_layers:
             raise ConfigError(f"past has K/V for {len(past)} layers, the model has {c.num_layers}")
         cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
@@ -310,7 +315,7 @@ class Llama(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, hd] broadcast over heads
         groups = c.num_heads // c.num_kv_heads
         rows = self.decode_rows
-        x = F.embedding(tokens, self.embed)  # [B, D]
+        x = self.embed_tokens(tokens)  # [B, D]
         for i, layer in enumerate(self.layers):
             qk, v = layer.qkv_heads(x, layer.packed, rows)  # [B, H+KVH, hd], [B, KVH, hd]
             qk = apply_rope(qk, cos, sin)

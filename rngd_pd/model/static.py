@@ -17,7 +17,6 @@ logits within tolerance and greedy tokens exactly.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rngd_pd.model.llama import Llama
@@ -47,7 +46,7 @@ class StaticDecode(nn.Module):
         bias = bias.masked_fill(~seen, float("-inf"))
         bias = torch.cat([bias, torch.zeros(w, 1, device=positions.device)], dim=1)  # + its own key
         bias = bias.view(w, 1, 1, length + 1)
-        x = F.embedding(tokens, m.embed).to(self.dtype)
+        x = m.embed_tokens(tokens).to(self.dtype)
         new: list[Tensor] = []
         for i, layer in enumerate(m.layers):
             qk, v = layer.qkv_heads(x)  # [W, H+KVH, hd], [W, KVH, hd]

@@ -14,8 +14,8 @@ The reference computes in fp32 on the CPU; the device in `--dtype` (fp32 by defa
 then be equal). `rngd --compile-only` compiles every graph with the Furiosa compiler inside
 `.venv-rngd` (it says to run `make rngd-env` when that is missing) and checks nothing numeric: for
 hosts without a card. `--stage import` (the default) stops where the compiler accepts or refuses each
-op (~40 s a graph on 2 cores); `--stage compile` goes to the binary (docs/devices-rngd.md: the 30-layer
-graphs did not finish in 30 min on 2 cores). Exits 1 on any failure, 2 when the device cannot be used
+op (seconds a graph); `--stage compile` goes to the binary (minutes a graph on 2 cores:
+docs/devices-rngd.md). Exits 1 on any failure, 2 when the device cannot be used
 here; prints what it checked either way.
 """
 
@@ -202,50 +202,38 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
     return dev, ref
 
 
-REDUCED_LAYERS = 1  # --stage reduced: the decoder layers of the model that is compiled to the binary
-
-
-def compile_scope(stage: str, layers: int | None = None) -> str:
+def compile_scope(stage: str) -> str:
     """What `rngd --compile-only --stage <stage>` checked, in one sentence (printed with the table)."""
-    whole = "the whole model (every decoder layer)"
-    n = layers or REDUCED_LAYERS
-    fewer = (f"the same graphs with {n} decoder layer{'s' if n != 1 else ''} (same widths and shapes; "
-             "the other layers are the same ops)")
-    model = fewer if layers else whole
-    return {"import": f"furiosa's decompositions + DFG import (where ops are refused) of {whole}",
-            "lower": f"import + lowering of {model}",
-            "compile": f"the whole compiler, down to the binary, of {model}",
-            "reduced": f"import of {whole}, then the whole compiler down to the binary of {fewer}",
+    graphs = ("every graph the shapes need: per shape one decoder layer (its weights as inputs, run "
+              "once per layer of the model) and the LM head")
+    return {"import": f"furiosa's decompositions + DFG import (where ops are refused) of {graphs}",
+            "lower": f"import + lowering of {graphs}",
+            "compile": f"the whole compiler, down to the binary, of {graphs}",
             }[stage] + ". Nothing runs: no card"
 
 
-def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", layers: int | None = None,
-                 per_graph_timeout: float = 7200.0, no_cache: bool = False) -> list[Check]:
+def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_graph_timeout: float = 7200.0,
+                 no_cache: bool = False) -> list[Check]:
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
-    `stage` (import: every op accepted, ~40 s a graph on 2 cores; compile: the binary, far longer;
-    reduced: import of the whole model, then compile of a `layers`-layer model, compile_scope);
-    `layers` also reduces lower and compile. `no_cache`: a real compile, not furiosa's cache."""
+    `stage` (import: every op accepted, seconds a graph; compile: the binary, minutes a graph on 2
+    cores). `no_cache`: a real compile, not furiosa's cache."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
     from rngd_pd.devices.rngd import compile_check
 
-    passes = ([("import", None), ("compile", layers or REDUCED_LAYERS)] if stage == "reduced" else
-              [(stage, None if stage == "import" else layers)])
     checks = []
-    for target, n in passes:
-        for r in compile_check(shapes, stage=target, layers=n, per_graph_timeout=per_graph_timeout,
-                               no_cache=no_cache):
-            secs = r.get("seconds") or {}
-            total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
-            refused = ", ".join(r.get("refused_ops") or [])
-            detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
-            if r.get("ok") and r.get("binary_bytes"):
-                detail += f", binary {r['binary_bytes']} bytes"
-            sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
-            where = f"{target}/{r.get('layers', n or '?')}L"
-            checks.append(Check(f"{r.get('graph', 'graph')}@{where}", str(r.get("shape", "")),
-                                bool(r.get("ok")), f"{detail} ({sdk})" if sdk else detail, round(total, 1)))
+    for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache):
+        secs = r.get("seconds") or {}
+        total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
+        refused = ", ".join(r.get("refused_ops") or [])
+        detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
+        if r.get("ok") and r.get("binary_bytes"):
+            detail += f", binary {r['binary_bytes']} bytes"
+        sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
+        name = f"{r.get('graph', 'graph')}_{r.get('part', 'graph')}@{stage}"
+        checks.append(Check(name, str(r.get("shape", "")), bool(r.get("ok")),
+                            f"{detail} ({sdk})" if sdk else detail, round(total, 1)))
     return checks
 
 
@@ -268,12 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("device", choices=("cpu", "cuda", "rngd", "atom"))
     p.add_argument("--device-id", type=int, default=-1, help="card ordinal; -1 = the allocated / first one")
     p.add_argument("--compile-only", action="store_true", help="rngd: compile every graph, run nothing")
-    p.add_argument("--stage", default="import", choices=("import", "lower", "compile", "reduced"),
-                   help="--compile-only: how far the compiler goes (import: every op accepted; reduced: "
-                        "import of the whole model + the binary of a --layers model, what CI runs)")
-    p.add_argument("--layers", type=int, default=None,
-                   help=f"--stage lower/compile/reduced: compile a model of only N decoder layers "
-                        f"(reduced: {REDUCED_LAYERS})")
+    p.add_argument("--stage", default="import", choices=("import", "lower", "compile"),
+                   help="--compile-only: how far the compiler goes (import: every op accepted; compile: "
+                        "down to the binary)")
     p.add_argument("--no-cache", action="store_true", help="--compile-only: bypass furiosa's compile cache")
     p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
@@ -300,9 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
     try:
         if args.compile_only:
-            print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage, args.layers)}; "
+            print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage)}; "
                   f"shapes {shapes.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
-            checks = compile_only(args.device, shapes, args.stage, args.layers, args.timeout, args.no_cache)
+            checks = compile_only(args.device, shapes, args.stage, args.timeout, args.no_cache)
         else:
             dev, ref = device_runtime(args.device, args.device_id, args.dtype)
             rtol = 1e-3 if args.dtype == "fp32" else 5e-2

@@ -131,20 +131,18 @@ def parse_rows(text: str) -> list[dict[str, Any]]:
 
 def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                   timeout: float | None = None, per_graph_timeout: float = 7200.0, no_cache: bool = False,
-                  layers: int | None = None, env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """Export each graph of `shapes` (DEFAULT_SHAPES when None) and take it through the furiosa
-    compiler in `.venv-rngd` up to `stage`: "import" (furiosa's decompositions and the DFG import,
-    where unsupported ops are refused: ~40 s a graph here), "lower" or "compile" (the whole
-    compiler down to the binary: tens of minutes a graph on a 2-core host, seconds from the furiosa
-    cache). One row per graph (see rngd_graphs); a refused or failed graph is a row with ok False,
-    not an exception; a missing environment is DeviceUnavailableError (naming `make rngd-env`), a
-    run that printed no rows at all RngdPdError with its stderr. `layers`: the same graphs with only
-    the first N decoder layers (identical layers: same ops, widths and shapes; a quicker compile)."""
+                  env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Export each graph `shapes` need (DEFAULT_SHAPES when None; a layer and a head graph per
+    shape, rngd_graphs) and take it through the furiosa compiler in `.venv-rngd` up to `stage`:
+    "import" (furiosa's decompositions and the DFG import, where unsupported ops are refused:
+    seconds a graph), "lower" or "compile" (the whole compiler down to the binary: minutes a graph
+    on a 2-core host, seconds from the furiosa cache). One row per graph; a refused or failed graph
+    is a row with ok False, not an exception; a missing environment is DeviceUnavailableError
+    (naming `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr."""
     python = require_rngd_python(env)
     shapes = DEFAULT_SHAPES if shapes is None else shapes
     cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
-           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else []) \
-        + (["--layers", str(layers)] if layers else [])
+           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
     from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
 
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),
@@ -303,13 +301,15 @@ class RngdRuntime:
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
                 kv_dtype: Any = "bf16") -> tuple[Any, KVList]:  # pragma: no cover - hardware only
-        """A first chunk of exactly a compiled length T (the graph has no past input and returns
-        the last position's logits, so neither a past nor padding is supported yet)."""
+        """A first chunk of up to the longest compiled length T (shorter ones run padded in the
+        smallest chunk graph that holds them); the graphs take no past yet."""
         t = int(tokens.shape[0])
         if past:
-            raise ConfigError("the RNGD prefill graph takes no past yet (one chunk per prompt)")
-        if t not in self.chunks:
-            raise ConfigError(f"no RNGD prefill graph for {t} tokens (compiled: {list(self.chunks)})")
+            raise ConfigError("the RNGD prefill graph takes no past yet (one chunk per prompt): set the "
+                              "prefill chunk_size to the longest prompt this model serves")
+        if not self.chunks or t > self.chunks[-1]:
+            raise ConfigError(f"a prompt of {t} tokens is longer than the longest RNGD prefill graph "
+                              f"(compiled: {list(self.chunks)}); the graphs take no past yet")
         _, out = self.worker.call("prefill", [tokens], kv_dtype=short_dtype(kv_dtype))
         kv = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range((len(out) - 1) // 2)]
         if on_layer is not None:

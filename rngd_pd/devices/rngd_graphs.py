@@ -1,4 +1,4 @@
-"""The RNGD graphs: export wrappers of our two graphs at fixed shapes, compiled by furiosa-torch.
+"""The RNGD graphs: one decoder layer and the LM head at fixed shapes, compiled by furiosa-torch.
 
 Runs INSIDE `.venv-rngd` (`make rngd-env`: furiosa-torch 2026.4.0 with its torch 2.10 and numpy 2),
 never in the serving environment; `rngd_pd.devices.rngd.compile_check` starts it as a subprocess:
@@ -6,32 +6,34 @@ never in the serving environment; `rngd_pd.devices.rngd.compile_check` starts it
     .venv-rngd/bin/python -m rngd_pd.devices.rngd_graphs --compile-only --chunks 128,512 \\
         --decode 1x512,8x2048 --json
 
-prints one JSON line per graph: {"graph", "shape", "dtype", "kv_dtype", "sdk", "ok", "seconds",
-"stage", "error", "refused_ops", ...}. Each export + compile runs in a child process of its own (a Rust
-panic in the SDK aborts the interpreter; the parent reports it as a failed graph and goes on).
+prints one JSON line per graph: {"graph", "part", "name", "shape", "dtype", "kv_dtype", "sdk", "ok",
+"seconds", "stage", "error", "refused_ops", ...}. Each export + compile runs in a child process of
+its own (a Rust panic in the SDK aborts the interpreter; the parent reports it as a failed graph and
+goes on).
 
-The graphs (static shapes, KV as explicit graph inputs and outputs, no module state):
+A model is never one graph: each shape compiles a **layer graph** (one decoder layer, its weights
+graph inputs) that runs once per layer with that layer's weights, and a **head graph** (final norm,
+LM head, its two weights inputs too). The compiler so holds one layer whatever the depth: a whole
+30-layer graph's lowering passed 16 GB here and did not finish. Static shapes, KV as explicit
+inputs and outputs, no module state; the embedding lookup stays on the host (`embed_tokens`):
 
-* `prefill` T: x [T, hidden] (the tokens' embedding rows, looked up on the host: `embed_tokens`) ->
-  (logits fp32 [vocab], K_0, V_0, ..., K_{n-1}, V_{n-1}), each K/V [kv_heads, T, head_dim] in the KV
-  dtype. It is `Llama.prefill` itself (`prefill_embedded`, its body after the embedding lookup and
-  without the inference-mode decorator, which torch.export cannot trace), for a first chunk (no past).
-* `decode` BxL: x [B, hidden] (embedding rows, as prefill's), positions int64 [B], slots int64
-  [B], K_0, V_0, ... each [B, kv_heads, L, head_dim] (a static cache of B slots of L positions)
-  -> (logits fp32 [B, vocab], the updated K_0, V_0, ...). The same blocks as `Llama.decode_step`
-  (its projections, RoPE, `_attend`, SwiGLU, final norm) written without its host-side work: no
-  `.tolist()`, no packed oneDNN weights or zero-padded rows (CPU batch-invariance devices),
-  attention over the whole bucket L with the positions' mask (keys past a row's position weigh
-  exactly zero, as in decode_step's padding).
+* `prefill_layer_t<T>`: x [T, hidden], then the layer's 6 weights -> (x, K, V), K/V [kv_heads, T,
+  head_dim] in the KV dtype: `Llama.prefill_layer` of a first chunk, the very code `Llama.prefill`
+  runs. `prefill_head_t<T>`: x [T, hidden], last int64 [1], norm, lm_head -> fp32 logits [vocab] of
+  row `last` (a prompt of n < T tokens runs padded; its rows never see the padding).
+* `decode_layer_b<B>_l<L>`: x [B, hidden], positions int64 [B], slots int64 [B], K, V [B, kv_heads,
+  L, head_dim] (a static cache of B slots of L positions), the layer's weights -> (x, K, V updated).
+  The blocks of `Llama.decode_step` (projections, RoPE, `_attend`, SwiGLU) without its host-side
+  work (`.tolist()`, packed oneDNN weights, zero-padded rows), attending over the whole bucket under
+  the positions' mask. `decode_head_b<B>`: x [B, hidden], norm, lm_head -> fp32 logits [B, vocab].
 
 Each graph goes through furiosa's own preprocessing (`preprocess_exported_program`: its 802
 decomposition rules; torch's `run_decompositions()` would give aten.addmm, which the DFG importer
-refuses), then `--stage import` (the DFG import, where unsupported ops are refused: ~40 s a graph
-here), `lower` or `compile` (all 12 compiler stages, down to the binary). The compiler needs an
-aarch64 cross compiler (`aarch64-linux-gnu-gcc` and its libc headers) for its last stages. A compile
-child past `--timeout` or `--max-rss-gb` is killed and reported with the compiler stage it reached;
-`--layers N` compiles the same graph with only the first N decoder layers. docs/devices-rngd.md has
-what compiled here and how long it took.
+refuses), then `--stage import` (the DFG import, where unsupported ops are refused), `lower` or
+`compile` (all 12 compiler stages, down to the binary). The compiler needs an aarch64 cross
+compiler (`aarch64-linux-gnu-gcc` and its libc headers) for its last stages. A compile child past
+`--timeout` or `--max-rss-gb` is killed and reported with the compiler stage it reached.
+docs/devices-rngd.md has what compiled here and how long it took.
 """
 
 from __future__ import annotations
@@ -52,27 +54,42 @@ DEFAULT_CHUNKS = (128, 512)
 DEFAULT_DECODE = ((1, 512), (8, 2048))
 
 
+PARTS = ("layer", "head")
+
+
 @dataclass(frozen=True)
 class GraphSpec:
-    """One graph at one shape: kind "prefill" (t tokens) or "decode" (b rows, a bucket of l)."""
+    """One compiled graph: `part` "layer" (one decoder layer with its weights as inputs, called once
+    per layer) or "head" (final norm and LM head) of the prefill of `t` tokens or of the decode step
+    of `b` rows over a bucket of `l` positions (a decode head depends on `b` only)."""
 
     kind: str
+    part: str = "layer"
     t: int = 0
     b: int = 0
     l: int = 0  # noqa: E741 - the bucket length, as in the docs
 
     @property
     def shape(self) -> str:
-        return f"T={self.t}" if self.kind == "prefill" else f"B={self.b},L={self.l}"
+        if self.kind == "prefill":
+            return f"T={self.t}"
+        return f"B={self.b}" if self.part == "head" else f"B={self.b},L={self.l}"
 
     @property
     def name(self) -> str:
-        return f"prefill_t{self.t}" if self.kind == "prefill" else f"decode_b{self.b}_l{self.l}"
+        if self.kind == "prefill":
+            return f"prefill_{self.part}_t{self.t}"
+        return f"decode_head_b{self.b}" if self.part == "head" else f"decode_layer_b{self.b}_l{self.l}"
 
 
 def specs(chunks: tuple[int, ...] = DEFAULT_CHUNKS,
           decode: tuple[tuple[int, int], ...] = DEFAULT_DECODE) -> list[GraphSpec]:
-    return [GraphSpec("prefill", t=t) for t in chunks] + [GraphSpec("decode", b=b, l=n) for b, n in decode]
+    """Every graph these shapes need: a layer and a head per prefill chunk, a layer per decode
+    (width, bucket) and a head per decode width."""
+    out = [GraphSpec("prefill", part, t=t) for t in chunks for part in PARTS]
+    out += [GraphSpec("decode", "layer", b=b, l=n) for b, n in decode]
+    out += [GraphSpec("decode", "head", b=b) for b in dict.fromkeys(b for b, _ in decode)]
+    return out
 
 
 def parse_decode(text: str) -> tuple[tuple[int, int], ...]:
@@ -99,37 +116,90 @@ def _dtype(name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+HEAD_WEIGHTS = ("norm", "lm_head")  # the head graph's weights, in its input order
+
+
+def layer_weights(model: Any) -> list[tuple[Any, ...]]:
+    """Each decoder layer's weights in the order a layer graph takes them (`Block`'s parameters)."""
+    return [tuple(p for _, p in layer.named_parameters()) for layer in model.layers]
+
+
+def head_weights(model: Any) -> tuple[Any, ...]:
+    """The final norm and LM head weights, in the order a head graph takes them."""
+    return tuple(getattr(model, n) for n in HEAD_WEIGHTS)
+
+
+def with_weights(target: Any, names: Any, weights: tuple[Any, ...], fn: Any, *args: Any) -> Any:
+    """fn(target, *args) with target's named weights swapped for `weights` (graph inputs), by
+    `torch.func.functional_call`: one traced graph serves every layer's weights."""
+    import torch
+    from torch import nn
+
+    class Apply(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.target = target
+
+        def forward(self, *a: Any) -> Any:
+            return fn(self.target, *a)
+
+    params = {f"target.{n}": w for n, w in zip(names, weights, strict=True)}
+    return torch.func.functional_call(Apply(), params, args)
+
+
 def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tuple[Any, ...]]:
     """(nn.Module, example inputs) of one graph; `model` is a `rngd_pd.model.llama.Llama`.
 
-    Both graphs take the tokens' embedding rows (`model.embed_tokens`, looked up on the host: a row
-    copy, 0.6 MB for a 512-token chunk of SmolLM2): furiosa's lowering leaves a gather of 64 or more
-    rows un-lowered ("count_valid_operators_if(... is_low_level() ...) (1) != 0"), and 16 gathers of
-    32 rows for a 512-token chunk as well (docs/devices-rngd.md)."""
+    Every graph takes its weights as inputs: a layer graph is one decoder layer, compiled once per
+    shape and called for each of the model's layers with that layer's weights (`prefill_chain`,
+    `decode_chain`), so the compiler never holds the whole model (a 30-layer graph's lowering
+    passed 16 GB here). The graphs take the tokens' embedding rows (`model.embed_tokens`, looked up
+    on the host): furiosa's lowering leaves a gather of 64 or more rows un-lowered
+    (docs/devices-rngd.md)."""
     import torch
     from torch import nn
 
     from rngd_pd.model import llama as L
 
     c = model.config
+    names = [n for n, _ in model.layers[0].named_parameters()]
+    layer0 = model.layers[0]
 
-    class PrefillGraph(nn.Module):
-        """Llama.prefill of one first chunk of T tokens, KV out per layer."""
+    def logits(x: torch.Tensor, w: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return with_weights(model, HEAD_WEIGHTS, w, lambda m, x: m._logits(x), x)
 
-        def __init__(self) -> None:
+    class PrefillLayer(nn.Module):
+        """`Llama.prefill_layer` of a first chunk of T tokens: (x, *weights) -> (x, K, V)."""
+
+        def __init__(self, t: int) -> None:
             super().__init__()
-            self.model = model
+            cos, sin = model._rope(*model.rope.span(0, t))
+            self.register_buffer("cos", cos.clone(), persistent=False)  # [T, hd], compute dtype
+            self.register_buffer("sin", sin.clone(), persistent=False)
+            self.t = t
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            logits, kv = self.model.prefill_embedded(x, None, None, kv_dtype)
-            return (logits, *[t for pair in kv for t in pair])
+        def forward(self, x: torch.Tensor, *w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            blocks = L._causal_blocks(0, self.t)
+            return with_weights(layer0, names, w, lambda layer, x: model.prefill_layer(
+                layer, x, self.cos, self.sin, blocks, None, kv_dtype), x)
 
-    class DecodeGraph(nn.Module):
-        """One decode step of B rows against a static cache of B slots x L positions (explicit KV)."""
+    class PrefillHead(nn.Module):
+        """Row `last` of x [T, D] (the prompt's last token; rows past it are padding) -> fp32 logits."""
+
+        def __init__(self, t: int) -> None:
+            super().__init__()
+            self.register_buffer("rows", torch.arange(t), persistent=False)
+
+        def forward(self, x: torch.Tensor, last: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+            pick = (last[:, None] == self.rows[None, :]).to(x.dtype)  # [1, T] one-hot
+            return logits(_gather(pick, x), w)[0]
+
+    class DecodeLayer(nn.Module):
+        """One decoder layer of a decode step of B rows against a static cache of B slots x L
+        positions: (x, positions, slots, K, V, *weights) -> (x, K, V), the cache written in place."""
 
         def __init__(self, b: int, n: int) -> None:
             super().__init__()
-            self.model = model
             self.b, self.n = b, n
             cos, sin = model.rope.rows(n)
             self.register_buffer("cos", cos[:n].clone(), persistent=False)  # fp32 [L, hd]
@@ -138,49 +208,77 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             self.register_buffer("heads", torch.arange(c.num_kv_heads), persistent=False)
             self.register_buffer("slot_ids", torch.arange(b), persistent=False)  # the cache's B slots
 
-        def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                    *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            m, b, n = self.model, self.b, self.n
+        def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ck: torch.Tensor,
+                    cv: torch.Tensor, *w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return with_weights(layer0, names, w, self.body, x, positions, slots, ck, cv)
+
+        def body(self, layer: Any, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 ck: torch.Tensor, cv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            b, n = self.b, self.n
             # keys row b cannot see, [B, L]; decode_step's ~(keys <= position): the compiler refuses
             # aten.bitwise_not past its DFG stage ("Lowering Deadline Violation")
             hidden = self.keys[None, :] > positions[:, None]
             bias = torch.zeros(b, 1, 1, n, device=x.device).masked_fill(
                 hidden.view(b, 1, 1, n), float("-inf"))
-            cos = self.cos[positions].to(m.dtype)[:, None]  # [B, 1, hd]
-            sin = self.sin[positions].to(m.dtype)[:, None]
-            groups = c.num_heads // c.num_kv_heads
+            cos = self.cos[positions].to(model.dtype)[:, None]  # [B, 1, hd]
+            sin = self.sin[positions].to(model.dtype)[:, None]
             at = (slots[:, None], self.heads[None, :], positions[:, None])  # [B, KVH] index triples
-            pick = (slots[:, None] == self.slot_ids[None, :]).to(kv[0].dtype)  # [B, S] one-hot rows
-            out: list[torch.Tensor] = []
-            for i, layer in enumerate(m.layers):
-                qk, v = layer.qkv_heads(x)
-                qk = L.apply_rope(qk, cos, sin)
-                q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
-                ck, cv = kv[2 * i], kv[2 * i + 1]
-                ck = torch.index_put(ck, at, k.to(ck.dtype))  # ck[slots, :, positions] = k
-                cv = torch.index_put(cv, at, v.to(cv.dtype))
-                out += [ck, cv]
-                kk = _gather(pick, ck).to(m.dtype)  # [B, KVH, L, hd]: ck[slots]
-                vv = _gather(pick, cv).to(m.dtype)
-                qg = q.reshape(b, c.num_kv_heads, groups, c.head_dim)
-                o = L._attend(qg, kk, vv, bias, c.head_dim**-0.5)
-                x = layer.finish(x, o.reshape(b, -1))
-            return (m._logits(x), *out)
+            pick = (slots[:, None] == self.slot_ids[None, :]).to(ck.dtype)  # [B, S] one-hot rows
+            qk, v = layer.qkv_heads(x)
+            qk = L.apply_rope(qk, cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
+            ck = torch.index_put(ck, at, k.to(ck.dtype))  # ck[slots, :, positions] = k
+            cv = torch.index_put(cv, at, v.to(cv.dtype))
+            kk = _gather(pick, ck).to(model.dtype)  # [B, KVH, L, hd]: ck[slots]
+            vv = _gather(pick, cv).to(model.dtype)
+            qg = q.reshape(b, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
+            o = L._attend(qg, kk, vv, bias, c.head_dim**-0.5)
+            return layer.finish(x, o.reshape(b, -1)), ck, cv
+
+    class DecodeHead(nn.Module):
+        """x [B, D] after the last layer -> fp32 logits [B, vocab]."""
+
+        def forward(self, x: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+            return logits(x, w)
 
     if spec.kind == "prefill":
-        return PrefillGraph(), (model.embed_tokens(torch.arange(spec.t, dtype=torch.long) % c.vocab_size),)
+        x = model.embed_tokens(torch.arange(spec.t, dtype=torch.long) % c.vocab_size)
+        if spec.part == "head":
+            return PrefillHead(spec.t), (x, torch.tensor([spec.t - 1]), *head_weights(model))
+        return PrefillLayer(spec.t), (x, *layer0.parameters())
     b, n = spec.b, spec.l
-    shape = (b, c.num_kv_heads, n, c.head_dim)
-    kv = tuple(torch.zeros(shape, dtype=kv_dtype) for _ in range(2 * len(model.layers)))
-    positions = torch.arange(b, dtype=torch.long) % n
     x = model.embed_tokens(torch.ones(b, dtype=torch.long))
-    return DecodeGraph(b, n), (x, positions, torch.arange(b), *kv)
+    if spec.part == "head":
+        return DecodeHead(), (x, *head_weights(model))
+    ck, cv = (torch.zeros(b, c.num_kv_heads, n, c.head_dim, dtype=kv_dtype) for _ in range(2))
+    positions = torch.arange(b, dtype=torch.long) % n
+    return DecodeLayer(b, n), (x, positions, torch.arange(b), ck, cv, *layer0.parameters())
+
+
+def prefill_chain(layer: Any, head: Any, x: Any, last: Any, weights: list[tuple[Any, ...]],
+                  head_w: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """A prefill through a layer graph and a head graph (compiled or not): (logits, [K_0, V_0, ...])."""
+    kv = []
+    for w in weights:
+        x, k, v = layer(x, *w)
+        kv += [k, v]
+    return head(x, last, *head_w), kv
+
+
+def decode_chain(layer: Any, head: Any, x: Any, positions: Any, slots: Any, kv: list[Any],
+                 weights: list[tuple[Any, ...]], head_w: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """A decode step through a layer graph and a head graph: (logits [B, vocab], the updated cache)."""
+    out = []
+    for i, w in enumerate(weights):
+        x, ck, cv = layer(x, positions, slots, kv[2 * i], kv[2 * i + 1], *w)
+        out += [ck, cv]
+    return head(x, *head_w), out
 
 
 def _gather(pick: Any, cache: Any) -> Any:
-    """cache[slots] [B, KVH, L, hd] as a one-hot matmul, pick [B, S]: exact (each output is 1 x
-    one cached value plus zeros) where the furiosa compiler has no tactic for index_select over a
-    graph-input cache ("GatherKernel ... all tactics failed to compile", decode 1x512)."""
+    """cache[i] for the one-hot rows of pick [B, S] as a matmul, cache [S, ...] -> [B, ...]: exact
+    (each output is 1 x one value plus zeros) where the furiosa compiler has no tactic for
+    index_select over a graph input ("GatherKernel ... all tactics failed to compile", decode 1x512)."""
     s = cache.shape[0]
     return (pick @ cache.reshape(s, -1)).reshape(pick.shape[0], *cache.shape[1:])
 
@@ -322,12 +420,17 @@ def compiler_config(tactic_hint: str | None = None, max_unique_shapes: int | Non
     return config.CompilerConfig(**kw)
 
 
+def _row_base(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every result row of one graph starts with (a failed one keeps them)."""
+    return {"graph": spec.kind, "part": spec.part, "name": spec.name, "shape": spec.shape,
+            "dtype": args.dtype, "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False,
+            "refused_ops": []}
+
+
 def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     """Export, preprocess and import / lower / compile (args.stage) one graph in THIS process; a
     dict row, never raises (a Rust panic is caught as PanicException where PyO3 raises one)."""
-    row: dict[str, Any] = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
-                           "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "stage": "setup",
-                           "error": "", "refused_ops": [], "seconds": {}}
+    row = {**_row_base(spec, args), "stage": "setup", "error": "", "seconds": {}}
     secs = row["seconds"]
     t0 = time.perf_counter()
     try:
@@ -344,9 +447,6 @@ def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 
         row["stage"] = "load"
         loaded = load_model(None, dtype=_dtype(args.dtype), progress=False)
-        if args.layers:  # the same graph, fewer decoder layers (they repeat): a quicker full compile
-            loaded.model.layers = loaded.model.layers[: args.layers]
-        row["layers"] = len(loaded.model.layers)
         secs["load"] = round(time.perf_counter() - t0, 2)
 
         row["stage"] = "export"
@@ -408,8 +508,6 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--tactic-hint", args.tactic_hint]
     if args.max_unique_shapes:
         out += ["--max-unique-shapes", str(args.max_unique_shapes)]
-    if args.layers:
-        out += ["--layers", str(args.layers)]
     out += ["--max-rss-gb", str(args.max_rss_gb)]
     return out
 
@@ -467,8 +565,7 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 
     cmd = [sys.executable, "-m", "rngd_pd.devices.rngd_graphs", "--one", spec.name, *_child_args(args)]
     t0 = time.perf_counter()
-    base = {"graph": spec.kind, "name": spec.name, "shape": spec.shape, "dtype": args.dtype,
-            "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False, "refused_ops": []}
+    base = _row_base(spec, args)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, preexec_fn=die_with_parent)
         code, killed = _watch(proc, args.timeout, args.max_rss_gb)
@@ -497,11 +594,14 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 
 def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
     """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.pack_message), the
-    compiled graphs and KV caches resident on `furiosa:<index>`. NOT verified: written against
-    furiosa-torch 2026.4's sources (CompileModule.from_exported, .to(device), forward) without a card.
+    compiled graphs, every layer's weights and the KV caches resident on `furiosa:<index>`. NOT
+    verified: written against furiosa-torch 2026.4's sources (CompileModule.from_exported,
+    .to(device), forward) without a card.
 
-    A decode step of fewer rows than a compiled width is padded with copies of its first row (same
-    token, position and slot: the padded rows write the same bits to the same place)."""
+    A prompt shorter than a compiled chunk is padded with zero rows after its last token (causal
+    attention: its rows never see them; the head reads row n - 1); a decode step of fewer rows than
+    a compiled width with copies of its first row (same token, position and slot: the padded rows
+    write the same bits to the same place)."""
     import torch
     from furiosa.torch import CompileModule
 
@@ -510,8 +610,11 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
 
     dev = torch.device(f"furiosa:{index}")
     loaded = load_model(source, dtype=_dtype(dtype), progress=False)
-    c = loaded.config
+    c, model = loaded.config, loaded.model
+    weights = [tuple(w.to(dev) for w in ws) for ws in layer_weights(model)]
+    head_w = tuple(w.to(dev) for w in head_weights(model))
     graphs: dict[str, Any] = {}
+    chunks: list[int] = []
     caches: dict[int, list[Any]] = {}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
@@ -532,13 +635,14 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                 for spec in specs(tuple(msg["chunks"]), tuple(tuple(d) for d in msg["decode"])):
                     t0 = time.perf_counter()
                     try:
-                        ep = export(loaded.model, spec, _dtype(msg["kv_dtype"]))
+                        ep = export(model, spec, _dtype(msg["kv_dtype"]))
                         graphs[spec.name] = CompileModule.from_exported(ep, task_name=spec.name).to(dev)
                         rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
                     except Exception as exc:
                         rows.append({"name": spec.name, "shape": spec.shape, "ok": False,
                                      "error": _short(str(exc)), "refused_ops": refused_ops(str(exc))})
                     rows[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+                chunks = sorted(set(chunks) | set(msg["chunks"]))
                 reply({"rows": rows})
             elif op == "new_cache":
                 shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
@@ -555,20 +659,24 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                     kv[first + j] = host.to(dev)
                 reply({})
             elif op == "prefill":
-                out = graphs[f"prefill_t{ts[0].shape[0]}"](loaded.model.embed_tokens(ts[0]).to(dev))
-                reply({}, [t.cpu() for t in out])
+                n = int(ts[0].shape[0])
+                t = min(x for x in chunks if x >= n)  # RngdRuntime.prefill checked that one exists
+                x = torch.zeros(t, c.hidden_size, dtype=model.dtype)
+                x[:n] = model.embed_tokens(ts[0])
+                logits, kv = prefill_chain(graphs[f"prefill_layer_t{t}"], graphs[f"prefill_head_t{t}"],
+                                           x.to(dev), torch.tensor([n - 1]).to(dev), weights, head_w)
+                reply({}, [logits.cpu(), *(k.cpu()[:, :n] for k in kv)])
             elif op == "decode":
                 kv = caches[msg["cache"]]
                 tokens, positions, slots = ts
                 rows, width = int(tokens.shape[0]), kv[0].shape[0]
-                name = f"decode_b{width}_l{kv[0].shape[2]}"
                 pad = width - rows
                 if pad:
                     tokens, positions, slots = (torch.cat([v, v[:1].expand(pad)]) for v in ts)
-                x = loaded.model.embed_tokens(tokens)
-                out = graphs[name](x.to(dev), positions.to(dev), slots.to(dev), *kv)
-                caches[msg["cache"]] = list(out[1:])
-                reply({}, [out[0].cpu()[:rows]])
+                logits, caches[msg["cache"]] = decode_chain(
+                    graphs[f"decode_layer_b{width}_l{kv[0].shape[2]}"], graphs[f"decode_head_b{width}"],
+                    model.embed_tokens(tokens).to(dev), positions.to(dev), slots.to(dev), kv, weights, head_w)
+                reply({}, [logits.cpu()[:rows]])
             elif op == "memory":
                 reply({"total": 0, "free": 0, "detail": {}})  # no memory query in furiosa-torch 2026.4
             else:
@@ -578,12 +686,15 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
 
 
 def _spec_by_name(name: str) -> GraphSpec:
-    m = re.fullmatch(r"prefill_t(\d+)|decode_b(\d+)_l(\d+)", name)
+    m = re.fullmatch(r"prefill_(layer|head)_t(\d+)|decode_layer_b(\d+)_l(\d+)|decode_head_b(\d+)", name)
     if not m:
-        raise SystemExit(f"unknown graph {name!r} (prefill_t<T> or decode_b<B>_l<L>)")
+        raise SystemExit(f"unknown graph {name!r} (prefill_layer_t<T>, prefill_head_t<T>, "
+                         "decode_layer_b<B>_l<L> or decode_head_b<B>)")
     if m.group(1):
-        return GraphSpec("prefill", t=int(m.group(1)))
-    return GraphSpec("decode", b=int(m.group(2)), l=int(m.group(3)))
+        return GraphSpec("prefill", m.group(1), t=int(m.group(2)))
+    if m.group(3):
+        return GraphSpec("decode", "layer", b=int(m.group(3)), l=int(m.group(4)))
+    return GraphSpec("decode", "head", b=int(m.group(5)))
 
 
 def _print_row(row: dict[str, Any], as_json: bool) -> None:
@@ -614,7 +725,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="how far to go: import (the DFG import that refuses ops), lower, compile")
     ap.add_argument("--tactic-hint", help="a furiosa TacticHintConfig name, e.g. ForLlmModelIOBound")
     ap.add_argument("--max-unique-shapes", type=int, help="CompilerConfig.max_num_unique_shapes")
-    ap.add_argument("--layers", type=int, help="compile with only the first N decoder layers")
     ap.add_argument("--max-rss-gb", type=float, default=12.0,
                     help="kill a compile whose resident memory passes this (0: no limit)")
     ap.add_argument("--toolchain", action="store_true",

@@ -273,21 +273,36 @@ class Llama(nn.Module):
         blocks = _causal_blocks(p, t, self.embed.device)
         out: KV = []
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x)
-            q = apply_rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)  # [H, T, hd]
-            k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)  # [KVH, T, hd]
-            k = k.to(kv_dtype).contiguous()
-            v = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1).to(kv_dtype).contiguous()
+            x, k, v = self.prefill_layer(layer, x, cos, sin, blocks, past[i] if past else None, kv_dtype)
             out.append((k, v))
             if on_layer is not None:
                 on_layer(i, k, v)
-            kk, vv = k.to(self.dtype), v.to(self.dtype)
-            if past:
-                kk = torch.cat([past[i][0].to(self.dtype), kk], dim=1)  # [KVH, P+T, hd]
-                vv = torch.cat([past[i][1].to(self.dtype), vv], dim=1)
-            o = _attend_causal(q, kk, vv, blocks, c.head_dim**-0.5)  # [H, T, hd]
-            x = layer.finish(x, o.transpose(0, 1).reshape(t, -1))
         return self._logits(x[-1:])[0], out
+
+    def prefill_layer(
+        self,
+        layer: Block,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        blocks: list[QueryBlock],
+        past: tuple[Tensor, Tensor] | None,
+        kv_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoder layer of prefill, x [T, D] -> (x, K, V): a function of the layer's weights, so
+        an NPU compiles it once and calls it for every layer with that layer's weights (rngd_graphs)."""
+        c, t = self.config, int(x.shape[0])
+        q, k, v = layer.qkv(x)
+        q = apply_rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)  # [H, T, hd]
+        k = apply_rope(k.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)  # [KVH, T, hd]
+        k = k.to(kv_dtype).contiguous()
+        v = v.view(t, c.num_kv_heads, c.head_dim).transpose(0, 1).to(kv_dtype).contiguous()
+        kk, vv = k.to(self.dtype), v.to(self.dtype)
+        if past is not None:
+            kk = torch.cat([past[0].to(self.dtype), kk], dim=1)  # [KVH, P+T, hd]
+            vv = torch.cat([past[1].to(self.dtype), vv], dim=1)
+        o = _attend_causal(q, kk, vv, blocks, c.head_dim**-0.5)  # [H, T, hd]
+        return layer.finish(x, o.transpose(0, 1).reshape(t, -1)), k, v
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> Tensor:

@@ -58,16 +58,18 @@ def test_parse_rows_keeps_only_result_lines():
 def test_graph_args_and_the_cli_agree():
     shapes = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype=torch.bfloat16)
     args = rngd.graph_args(shapes)
-    assert args == ["--chunks", "128,512", "--decode", "1x512,8x2048",
+    assert args == ["--chunks", "128,512", "--past", "", "--decode", "1x512,8x2048",
                     "--dtype", "bf16", "--kv-dtype", "bf16"]
     assert rngd_graphs.parse_chunks(args[1]) == (128, 512)
-    assert rngd_graphs.parse_decode(args[3]) == ((1, 512), (8, 2048))
-    names = [s.name for s in rngd_graphs.specs((128, 512), ((1, 512), (8, 512), (8, 2048)))]
+    assert rngd_graphs.parse_chunks(args[3]) == ()
+    assert rngd_graphs.parse_decode(args[5]) == ((1, 512), (8, 2048))
+    names = [s.name for s in rngd_graphs.specs((128, 512), ((1, 512), (8, 512), (8, 2048)), (1024,))]
     assert names == ["prefill_layer_t128", "prefill_head_t128", "prefill_layer_t512", "prefill_head_t512",
+                     "prefill_layer_t128_l1024", "prefill_layer_t512_l1024",
                      "decode_layer_b1_l512", "decode_layer_b8_l512", "decode_layer_b8_l2048",
                      "decode_head_b1", "decode_head_b8"]
     assert all(rngd_graphs._spec_by_name(s.name) == s
-               for s in rngd_graphs.specs((128,), ((1, 512), (8, 2048))))
+               for s in rngd_graphs.specs((128,), ((1, 512), (8, 2048)), (256,)))
     with pytest.raises(ValueError, match="BxL"):
         rngd_graphs.parse_decode("8-2048")
 
@@ -181,6 +183,19 @@ def test_layer_and_head_graphs_compute_what_the_model_computes(smollm_bf16):
     assert all(torch.allclose(a[:, :n].float(), b.float(), atol=0.02, rtol=0.02)
                for a, b in zip(kv, [t for pair in short_kv for t in pair], strict=True))
 
+    p = 16  # a chunk after a past of 16 tokens, padded to a bucket of 32 (the engine's chunked path)
+    past = [t[:, :p] for t in flat]
+    padded = [torch.cat([t, torch.zeros(t.shape[0], 32 - p, t.shape[2], dtype=t.dtype)], 1) for t in past]
+    cos, sin = m._rope(*m.rope.span(p, 40))
+    x = torch.cat([m.embed_tokens(tokens[p:]), torch.zeros(p, c.hidden_size, dtype=m.dtype)])
+    layer = rngd_graphs.build_wrapper(m, rngd_graphs.GraphSpec("prefill", t=40, l=32), torch.bfloat16)[0]
+    logits, kv = rngd_graphs.prefill_chain(layer, _graphs(m, "prefill", t=40)[1], x, torch.tensor([39 - p]),
+                                           weights, head_w, (cos, sin, torch.tensor([p]), padded))
+    assert torch.allclose(logits, ref_logits, atol=0.05, rtol=0)  # the whole prompt's last logits
+    assert torch.equal(logits.argmax(), ref_logits.argmax())
+    assert all(torch.allclose(a[:, : 40 - p].float(), b[:, p:].float(), atol=0.02, rtol=0.02)
+               for a, b in zip(kv, flat, strict=True))
+
     cache = KVCache(c, 2, 64, torch.bfloat16)
     cache.load_all(0, ref_kv)
     kv = [t.clone() for pair in zip(cache.k, cache.v, strict=True) for t in pair]
@@ -202,7 +217,7 @@ def test_graphs_hold_no_weights_and_take_embedding_rows_from_the_host(smollm_bf1
     compiler never holds the model), and no graph looks up the embedding table: furiosa leaves a
     gather of 64+ rows (or 16 of 32 rows) un-lowered; the host does it (Llama.embed_tokens)."""
     m = smollm_bf16.model
-    for spec in rngd_graphs.specs((64,), ((2, 32),)):
+    for spec in rngd_graphs.specs((64,), ((2, 32),), (48,)):
         ep = rngd_graphs.export(m, spec, torch.bfloat16)
         kinds = {s.kind.name for s in ep.graph_signature.input_specs}
         assert kinds <= {"USER_INPUT", "BUFFER"}, (spec, kinds)  # the buffers: RoPE rows, index ranges
@@ -271,6 +286,7 @@ def test_cross_compiler_without_headers_is_missing(tmp_path, monkeypatch, capsys
 def test_configured_shapes_follow_the_model_repository():
     shapes = rngd.configured_shapes()
     assert shapes.prefill_chunks == (512,)  # prefill/config.pbtxt chunk_size, device rngd
+    assert shapes.prefill_past == (512, 1024, 2048, 4096)  # ... and its max_len
     assert shapes.decode == ((8, 512), (8, 2048), (8, 4096))  # decode/configs/rngd.pbtxt
 
 

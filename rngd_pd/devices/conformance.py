@@ -22,6 +22,7 @@ here; prints what it checked either way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -262,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-cache", action="store_true", help="--compile-only: bypass furiosa's compile cache")
     p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
+    p.add_argument("--past", default="",
+                   help="--compile-only: past buckets of a prefill chunk after earlier chunks, e.g. 512,1024 "
+                        "(on a card the prefill engine prepares its own)")
     p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
                    help="decode shapes WIDTHxBUCKET, comma-separated")
     p.add_argument("--config-shapes", action="store_true",
@@ -276,12 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device == "rngd" else "fp32")
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
-                         args.dtype, args.kv_dtype)
+                         args.dtype, args.kv_dtype, tuple(int(n) for n in args.past.split(",") if n))
     if args.config_shapes:
         from rngd_pd.devices.rngd import configured_shapes
 
-        shapes = configured_shapes()
-        shapes = GraphShapes(shapes.prefill_chunks, shapes.decode, args.dtype, args.kv_dtype)
+        shapes = dataclasses.replace(configured_shapes(), dtype=args.dtype, kv_dtype=args.kv_dtype)
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
     try:
         if args.compile_only:

@@ -37,7 +37,7 @@ from typing import Any
 
 from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
 from rngd_pd.devices.npu import RNGD, cards
-from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
+from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets
 from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
 
 RNGD_ENV = ".venv-rngd"
@@ -85,6 +85,7 @@ def graph_args(shapes: GraphShapes) -> list[str]:
                                              "torch.float32": "fp32"}.get(str(d), str(d))
 
     args = ["--chunks", ",".join(str(t) for t in shapes.prefill_chunks),
+            "--past", ",".join(str(n) for n in shapes.prefill_past),
             "--decode", ",".join(f"{b}x{n}" for b, n in shapes.decode),
             "--dtype", name(shapes.dtype), "--kv-dtype", name(shapes.kv_dtype)]
     return args
@@ -99,16 +100,18 @@ def pbtxt_parameters(path: Path) -> dict[str, str]:
 
 
 def configured_shapes(root: Path | None = None) -> GraphShapes:
-    """The graphs the shipped model repository asks of an RNGD card: prefill's chunk_size
-    (model_repository/prefill/config.pbtxt, device rngd) and every decode bucket of
-    decode/configs/rngd.pbtxt (num_slots x each bucket of max_len, as DecodeEngine plans them)."""
+    """The graphs the shipped model repository asks of an RNGD card: prefill's chunk_size and the
+    past buckets of its max_len (model_repository/prefill/config.pbtxt, device rngd, as
+    PrefillEngine plans them) and every decode bucket of decode/configs/rngd.pbtxt (num_slots x each
+    bucket of max_len, as DecodeEngine plans them)."""
     from rngd_pd.engine.decode import plan_buckets
 
     repo = (root or repo_root()) / "model_repository"
     pre = pbtxt_parameters(repo / "prefill" / "config.pbtxt")
     dec = pbtxt_parameters(repo / "decode" / "configs" / "rngd.pbtxt")
     plan = plan_buckets(int(dec["num_slots"]), int(dec["max_len"]), None)
-    return GraphShapes(prefill_chunks=(int(pre["chunk_size"]),),
+    chunk = int(pre["chunk_size"])
+    return GraphShapes(prefill_chunks=(chunk,), prefill_past=past_buckets(chunk, int(pre["max_len"])),
                        decode=tuple((slots, n) for n, slots in plan.items()),
                        dtype="bf16", kv_dtype=dec.get("kv_dtype", "bf16"))
 
@@ -271,10 +274,11 @@ class RngdRuntime:
         dtype = short_dtype(loaded.model.dtype)
         self.worker = _Worker(require_rngd_python(env), device, loaded.source, dtype)
         self.chunks: tuple[int, ...] = ()
+        self.past: tuple[int, ...] = ()
 
     def prepare(self, shapes: GraphShapes) -> None:  # pragma: no cover - hardware only
         header, _ = self.worker.call("prepare", chunks=list(shapes.prefill_chunks),
-                                     decode=[list(d) for d in shapes.decode],
+                                     past=list(shapes.prefill_past), decode=[list(d) for d in shapes.decode],
                                      kv_dtype=short_dtype(shapes.kv_dtype))
         failed = [r for r in header.get("rows", []) if not r.get("ok")]
         if failed:
@@ -282,6 +286,7 @@ class RngdRuntime:
             raise ConfigError(f"the furiosa compiler refused {r['name']} ({r['shape']}): "
                               f"{r.get('refused_ops') or ''} {r.get('error', '')[-800:]}")
         self.chunks = tuple(sorted(set(self.chunks) | set(shapes.prefill_chunks)))
+        self.past = tuple(sorted(set(self.past) | set(shapes.prefill_past)))
 
     def dtype(self, name: Any) -> Any:
         from rngd_pd.devices.torch_runtime import torch_dtype
@@ -301,16 +306,18 @@ class RngdRuntime:
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
                 kv_dtype: Any = "bf16") -> tuple[Any, KVList]:  # pragma: no cover - hardware only
-        """A first chunk of up to the longest compiled length T (shorter ones run padded in the
-        smallest chunk graph that holds them); the graphs take no past yet."""
-        t = int(tokens.shape[0])
-        if past:
-            raise ConfigError("the RNGD prefill graph takes no past yet (one chunk per prompt): set the "
-                              "prefill chunk_size to the longest prompt this model serves")
+        """A chunk of up to the longest compiled length T after a past of up to the longest past
+        bucket; shorter ones run padded in the smallest graph that holds them (the engine splits
+        longer prompts into chunks)."""
+        t, p = int(tokens.shape[0]), int(past[0][0].shape[1]) if past else 0
         if not self.chunks or t > self.chunks[-1]:
-            raise ConfigError(f"a prompt of {t} tokens is longer than the longest RNGD prefill graph "
-                              f"(compiled: {list(self.chunks)}); the graphs take no past yet")
-        _, out = self.worker.call("prefill", [tokens], kv_dtype=short_dtype(kv_dtype))
+            raise ConfigError(f"a chunk of {t} tokens is longer than the longest RNGD prefill graph "
+                              f"(compiled: {list(self.chunks)}): prefill in chunks of at most that")
+        if p and (not self.past or p > self.past[-1]):
+            raise ConfigError(f"a past of {p} tokens is longer than the longest RNGD past bucket "
+                              f"(compiled: {list(self.past)}): raise the prefill max_len")
+        flat = [x for kv in past for x in kv] if past else []
+        _, out = self.worker.call("prefill", [tokens, *flat], kv_dtype=short_dtype(kv_dtype))
         kv = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range((len(out) - 1) // 2)]
         if on_layer is not None:
             for i, (k, v) in enumerate(kv):

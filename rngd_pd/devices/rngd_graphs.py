@@ -21,6 +21,9 @@ inputs and outputs, no module state; the embedding lookup stays on the host (`em
   head_dim] in the KV dtype: `Llama.prefill_layer` of a first chunk, the very code `Llama.prefill`
   runs. `prefill_head_t<T>`: x [T, hidden], last int64 [1], norm, lm_head -> fp32 logits [vocab] of
   row `last` (a prompt of n < T tokens runs padded; its rows never see the padding).
+  `prefill_layer_t<T>_l<L>`: a chunk after earlier ones: x, the chunk's RoPE rows cos/sin [T,
+  head_dim] (host), start int64 [1], the past K/V [kv_heads, L, head_dim] padded to the bucket L
+  (`runtime.past_buckets`), the weights -> (x, K, V); past positions >= start are masked.
 * `decode_layer_b<B>_l<L>`: x [B, hidden], positions int64 [B], slots int64 [B], K, V [B, kv_heads,
   L, head_dim] (a static cache of B slots of L positions), the layer's weights -> (x, K, V updated).
   The blocks of `Llama.decode_step` (projections, RoPE, `_attend`, SwiGLU) without its host-side
@@ -60,8 +63,9 @@ PARTS = ("layer", "head")
 @dataclass(frozen=True)
 class GraphSpec:
     """One compiled graph: `part` "layer" (one decoder layer with its weights as inputs, called once
-    per layer) or "head" (final norm and LM head) of the prefill of `t` tokens or of the decode step
-    of `b` rows over a bucket of `l` positions (a decode head depends on `b` only)."""
+    per layer) or "head" (final norm and LM head) of the prefill of `t` tokens (after a past bucket
+    of `l` positions when l > 0) or of the decode step of `b` rows over a bucket of `l` positions (a
+    head depends on `t` or `b` only)."""
 
     kind: str
     part: str = "layer"
@@ -72,21 +76,22 @@ class GraphSpec:
     @property
     def shape(self) -> str:
         if self.kind == "prefill":
-            return f"T={self.t}"
+            return f"T={self.t},L={self.l}" if self.l else f"T={self.t}"
         return f"B={self.b}" if self.part == "head" else f"B={self.b},L={self.l}"
 
     @property
     def name(self) -> str:
         if self.kind == "prefill":
-            return f"prefill_{self.part}_t{self.t}"
+            return f"prefill_{self.part}_t{self.t}" + (f"_l{self.l}" if self.l else "")
         return f"decode_head_b{self.b}" if self.part == "head" else f"decode_layer_b{self.b}_l{self.l}"
 
 
-def specs(chunks: tuple[int, ...] = DEFAULT_CHUNKS,
-          decode: tuple[tuple[int, int], ...] = DEFAULT_DECODE) -> list[GraphSpec]:
-    """Every graph these shapes need: a layer and a head per prefill chunk, a layer per decode
-    (width, bucket) and a head per decode width."""
+def specs(chunks: tuple[int, ...] = DEFAULT_CHUNKS, decode: tuple[tuple[int, int], ...] = DEFAULT_DECODE,
+          past: tuple[int, ...] = ()) -> list[GraphSpec]:
+    """Every graph these shapes need: per prefill chunk a layer, a head and a layer after each past
+    bucket; a layer per decode (width, bucket) and a head per decode width."""
     out = [GraphSpec("prefill", part, t=t) for t in chunks for part in PARTS]
+    out += [GraphSpec("prefill", "layer", t=t, l=n) for t in chunks for n in past]
     out += [GraphSpec("decode", "layer", b=b, l=n) for b, n in decode]
     out += [GraphSpec("decode", "head", b=b) for b in dict.fromkeys(b for b, _ in decode)]
     return out
@@ -183,6 +188,26 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
             return with_weights(layer0, names, w, lambda layer, x: model.prefill_layer(
                 layer, x, self.cos, self.sin, blocks, None, kv_dtype), x)
 
+    class PrefillPastLayer(nn.Module):
+        """`Llama.prefill_layer` of a chunk of T tokens after a past of up to L: (x, cos, sin, start,
+        past K, past V, *weights) -> (x, K, V). The past is the cache of the earlier chunks padded
+        to L (K/V [kv_heads, L, head_dim]), `start` int64 [1] its real length: the padded keys are
+        masked. cos/sin [T, hd] are the chunk's RoPE rows from the host (a gather of T table rows in
+        the graph is what furiosa cannot lower)."""
+
+        def __init__(self, t: int, n: int) -> None:
+            super().__init__()
+            self.t, self.n = t, n
+            self.register_buffer("keys", torch.arange(n + t), persistent=False)
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
+                    pk: torch.Tensor, pv: torch.Tensor, *w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            pad = (self.keys >= start) & (self.keys < self.n)  # [L + T]: past positions past its end
+            blocks = [(s, e, bias.masked_fill(pad[: bias.shape[1]], float("-inf")))
+                      for s, e, bias in L._causal_blocks(self.n, self.t)]
+            return with_weights(layer0, names, w, lambda layer, x: model.prefill_layer(
+                layer, x, cos, sin, blocks, (pk, pv), kv_dtype), x)
+
     class PrefillHead(nn.Module):
         """Row `last` of x [T, D] (the prompt's last token; rows past it are padding) -> fp32 logits."""
 
@@ -245,6 +270,11 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
         x = model.embed_tokens(torch.arange(spec.t, dtype=torch.long) % c.vocab_size)
         if spec.part == "head":
             return PrefillHead(spec.t), (x, torch.tensor([spec.t - 1]), *head_weights(model))
+        if spec.l:
+            cos, sin = model._rope(*model.rope.span(spec.l, spec.t))
+            pk, pv = (torch.zeros(c.num_kv_heads, spec.l, c.head_dim, dtype=kv_dtype) for _ in range(2))
+            return PrefillPastLayer(spec.t, spec.l), (x, cos, sin, torch.tensor([spec.l]), pk, pv,
+                                                       *layer0.parameters())
         return PrefillLayer(spec.t), (x, *layer0.parameters())
     b, n = spec.b, spec.l
     x = model.embed_tokens(torch.ones(b, dtype=torch.long))
@@ -256,11 +286,14 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
 
 
 def prefill_chain(layer: Any, head: Any, x: Any, last: Any, weights: list[tuple[Any, ...]],
-                  head_w: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-    """A prefill through a layer graph and a head graph (compiled or not): (logits, [K_0, V_0, ...])."""
+                  head_w: tuple[Any, ...], past: tuple[Any, Any, Any, list[Any]] | None = None
+                  ) -> tuple[Any, list[Any]]:
+    """A prefill through a layer graph and a head graph (compiled or not): (logits, [K_0, V_0, ...]).
+    `past`: (cos, sin, start, [K_0, V_0, ...] of the earlier chunks, padded to the graph's bucket)."""
     kv = []
-    for w in weights:
-        x, k, v = layer(x, *w)
+    for i, w in enumerate(weights):
+        extra = (*past[:3], past[3][2 * i], past[3][2 * i + 1]) if past else ()
+        x, k, v = layer(x, *extra, *w)
         kv += [k, v]
     return head(x, last, *head_w), kv
 
@@ -615,6 +648,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
     head_w = tuple(w.to(dev) for w in head_weights(model))
     graphs: dict[str, Any] = {}
     chunks: list[int] = []
+    pasts: list[int] = []
     caches: dict[int, list[Any]] = {}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
@@ -632,7 +666,8 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
             op = msg["op"]
             if op == "prepare":
                 rows = []
-                for spec in specs(tuple(msg["chunks"]), tuple(tuple(d) for d in msg["decode"])):
+                for spec in specs(tuple(msg["chunks"]), tuple(tuple(d) for d in msg["decode"]),
+                                  tuple(msg["past"])):
                     t0 = time.perf_counter()
                     try:
                         ep = export(model, spec, _dtype(msg["kv_dtype"]))
@@ -643,6 +678,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                                      "error": _short(str(exc)), "refused_ops": refused_ops(str(exc))})
                     rows[-1]["seconds"] = round(time.perf_counter() - t0, 2)
                 chunks = sorted(set(chunks) | set(msg["chunks"]))
+                pasts = sorted(set(pasts) | set(msg["past"]))
                 reply({"rows": rows})
             elif op == "new_cache":
                 shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
@@ -658,13 +694,22 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                     host[slot, :, start:start + t.shape[1]] = t.to(host.dtype)
                     kv[first + j] = host.to(dev)
                 reply({})
-            elif op == "prefill":
-                n = int(ts[0].shape[0])
+            elif op == "prefill":  # tokens [n], then the past's K_0, V_0, ... [KVH, P, hd] (P may be 0)
+                n, p = int(ts[0].shape[0]), int(ts[1].shape[1]) if len(ts) > 1 else 0
                 t = min(x for x in chunks if x >= n)  # RngdRuntime.prefill checked that one exists
                 x = torch.zeros(t, c.hidden_size, dtype=model.dtype)
                 x[:n] = model.embed_tokens(ts[0])
-                logits, kv = prefill_chain(graphs[f"prefill_layer_t{t}"], graphs[f"prefill_head_t{t}"],
-                                           x.to(dev), torch.tensor([n - 1]).to(dev), weights, head_w)
+                name, past = f"prefill_layer_t{t}", None
+                if p:
+                    bucket = min(x for x in pasts if x >= p)
+                    name += f"_l{bucket}"
+                    cos, sin = model._rope(*model.rope.span(p, t))
+                    padded = [torch.zeros(c.num_kv_heads, bucket, c.head_dim, dtype=k.dtype) for k in ts[1:]]
+                    for buf, k in zip(padded, ts[1:], strict=True):
+                        buf[:, :p] = k
+                    past = (cos.to(dev), sin.to(dev), torch.tensor([p]).to(dev), [b.to(dev) for b in padded])
+                logits, kv = prefill_chain(graphs[name], graphs[f"prefill_head_t{t}"], x.to(dev),
+                                           torch.tensor([n - 1]).to(dev), weights, head_w, past)
                 reply({}, [logits.cpu(), *(k.cpu()[:, :n] for k in kv)])
             elif op == "decode":
                 kv = caches[msg["cache"]]
@@ -686,15 +731,16 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
 
 
 def _spec_by_name(name: str) -> GraphSpec:
-    m = re.fullmatch(r"prefill_(layer|head)_t(\d+)|decode_layer_b(\d+)_l(\d+)|decode_head_b(\d+)", name)
+    m = re.fullmatch(r"prefill_(layer|head)_t(\d+)(?:_l(\d+))?|decode_layer_b(\d+)_l(\d+)|decode_head_b(\d+)",
+                     name)
     if not m:
-        raise SystemExit(f"unknown graph {name!r} (prefill_layer_t<T>, prefill_head_t<T>, "
+        raise SystemExit(f"unknown graph {name!r} (prefill_layer_t<T>[_l<L>], prefill_head_t<T>, "
                          "decode_layer_b<B>_l<L> or decode_head_b<B>)")
     if m.group(1):
-        return GraphSpec("prefill", m.group(1), t=int(m.group(2)))
-    if m.group(3):
-        return GraphSpec("decode", "layer", b=int(m.group(3)), l=int(m.group(4)))
-    return GraphSpec("decode", "head", b=int(m.group(5)))
+        return GraphSpec("prefill", m.group(1), t=int(m.group(2)), l=int(m.group(3) or 0))
+    if m.group(4):
+        return GraphSpec("decode", "layer", b=int(m.group(4)), l=int(m.group(5)))
+    return GraphSpec("decode", "head", b=int(m.group(6)))
 
 
 def _print_row(row: dict[str, Any], as_json: bool) -> None:
@@ -714,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="export and compile (the only mode: running needs a card)")
     ap.add_argument("--chunks", type=parse_chunks, default=DEFAULT_CHUNKS,
                     help="prefill chunk lengths, e.g. 128,512")
+    ap.add_argument("--past", type=parse_chunks, default=(),
+                    help="past buckets a prefill chunk after earlier chunks attends over, e.g. 512,1024")
     ap.add_argument("--decode", type=parse_decode, default=DEFAULT_DECODE,
                     help="decode BxL shapes, e.g. 1x512,8x2048")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype of the weights")
@@ -745,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_row(row, True)
         return 0 if row["ok"] else 1
     failed = 0
-    for spec in specs(args.chunks, args.decode):
+    for spec in specs(args.chunks, args.decode, args.past):
         row = run_child(spec, args)
         failed += not row.get("ok")
         _print_row(row, args.json)

@@ -37,19 +37,35 @@ class GraphShapes:
 
     prefill_chunks: prompt lengths a prefill graph is built for (a longer prompt runs in chunks of
     the largest, a shorter one padded up to the next). decode: (batch width, sequence bucket) pairs.
-    Dynamic-shape devices (torch) accept any shape and use these only to warm up.
+    prefill_past: past lengths a chunk after earlier ones (or after a reused prefix) attends over,
+    each a bucket a shorter past is padded up to (`past_buckets`). Dynamic-shape devices (torch)
+    accept any shape and use these only to warm up.
     """
 
     prefill_chunks: tuple[int, ...] = (512,)
     decode: tuple[tuple[int, int], ...] = ()
     dtype: Any = "fp32"
     kv_dtype: Any = "bf16"  # a name or the runtime's own dtype
+    prefill_past: tuple[int, ...] = ()
 
     def describe(self) -> str:
         widths = sorted({b for b, _ in self.decode})
         buckets = sorted({n for _, n in self.decode})
-        return (f"prefill chunks {list(self.prefill_chunks)}, decode widths {widths} x buckets {buckets}, "
-                f"{self.dtype} compute, {self.kv_dtype} KV")
+        past = f" after a past of up to {list(self.prefill_past)}" if self.prefill_past else ""
+        return (f"prefill chunks {list(self.prefill_chunks)}{past}, decode widths {widths} x buckets "
+                f"{buckets}, {self.dtype} compute, {self.kv_dtype} KV")
+
+
+def past_buckets(chunk: int, max_context: int) -> tuple[int, ...]:
+    """The past lengths a static-shape prefill prepares for a prompt of up to max_context tokens in
+    chunks of `chunk` (or after a reused prefix of any length): doubling from one chunk, the last
+    one max_context; a past of P tokens runs in the smallest bucket >= P (about log2(max_context /
+    chunk) + 1 graphs per chunk length)."""
+    out, n = [], chunk
+    while n < max_context:
+        out.append(n)
+        n *= 2
+    return (*out, max_context)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, as_runtime
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, as_runtime, past_buckets
 from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
@@ -52,7 +52,9 @@ class PrefillEngine:
         self.kv_dtype = self.runtime.dtype(kv_dtype)
         self.chunk_size = chunk_size
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
-        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk_size or self.max_context,)))
+        chunk = chunk_size or self.max_context
+        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk,),
+                                         prefill_past=past_buckets(chunk, self.max_context)))
         c = self.config
         self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,
                                         self.kv_dtype, prefix_cache_bytes, prefix_block) \

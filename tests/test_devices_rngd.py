@@ -362,3 +362,64 @@ def test_a_disk_filling_during_pip_is_told_from_other_failures():
     other = subprocess.CompletedProcess([], 1, stderr="ERROR: No matching distribution found\n")
     with pytest.raises(RuntimeError, match="installing x failed \\(pip exit 1\\)"):
         rngd_setup._check(other, "installing x")
+
+
+# ---------------------------------------------------------------- furiosa-smi: discovery, power, memory
+
+
+class _Card:
+    """A card as furiosa-smi 2026.4 hands it out (every getter a method); power and serial fail."""
+
+    def dev_node_index(self):
+        return 3
+
+    def device_name(self):
+        return "npu3"
+
+    def power_consumption(self):
+        raise RuntimeError("power sensor not ready")
+
+    def serial(self):
+        raise RuntimeError("no serial")
+
+    def memory_usage(self):
+        return type("M", (), {"total_bytes": lambda _: 48 * 10**9, "in_use_bytes": lambda _: 6 * 10**9})()
+
+    def device_temperature(self):
+        return type("T", (), {"soc_peak": lambda _: 51.5, "ambient": lambda _: 30.0})()
+
+    def __getattr__(self, name):
+        return lambda: {"uuid": "u-1", "arch": "Rngd", "firmware_version": "1.2.3", "power_limit": 180.0,
+                        "liveness": True, "core_num": 8}[name]
+
+
+def test_smi_reads_each_field_on_its_own_and_names_what_failed():
+    from rngd_pd.commands.devices import smi_lines
+    from rngd_pd.devices import rngd_smi
+
+    card = rngd_smi.describe(_Card())
+    assert card["index"] == 3 and card["name"] == "npu3" and card["firmware"] == "1.2.3"
+    assert card["memory"] == {"total_bytes": 48 * 10**9, "in_use_bytes": 6 * 10**9}
+    assert card["temperature_c"] == {"soc_peak": 51.5, "ambient": 30.0}
+    assert card["power_w"] is None and "power sensor not ready" in card["errors"]["power_w"]
+    assert set(card["errors"]) == {"power_w", "serial"}
+    lines = smi_lines({"sdk": {"furiosa-smi": "2026.4.0"}, "driver": "2026.4.1", "devices": [card]})
+    assert lines[0] == "rngd cards (furiosa-smi 2026.4.0): driver 2026.4.1"
+    assert lines[1].startswith("  npu3, npu3, fw 1.2.3, power ?, 52 C, memory 6.0 / 48.0 GB in use")
+    assert lines[1].endswith("(unreadable: serial, power_w)")
+    assert smi_lines({"error": "not usable"}) == ["rngd cards (furiosa-smi): not usable"]
+
+
+def test_smi_snapshot_runs_the_real_furiosa_smi(tmp_path):
+    """furiosa-smi 2026.4.0 in .venv-rngd, here without a card or driver: no device, the driver's
+    absence said; without the environment, the fix named."""
+    missing = rngd.smi_snapshot({rngd.ENV_RNGD_VENV: str(tmp_path / "absent")})
+    assert missing["devices"] == [] and "make rngd-env" in missing["error"]
+    if rngd.rngd_python() is None:
+        pytest.skip("needs .venv-rngd: run `make rngd-env`")
+    smi = rngd.smi_snapshot()
+    assert smi["sdk"] == {"furiosa-smi": "2026.4.0"} and not smi["error"], smi
+    if not rngd.cards(rngd.RNGD):
+        assert smi["devices"] == [] and smi["driver"] is None and "device not found" in smi["driver_error"]
+    for card in smi["devices"]:
+        assert isinstance(card["index"], int) and card["memory"]["total_bytes"] > 0, card

@@ -97,6 +97,8 @@ def test_print_command_and_devices(tmp_path: Path) -> None:
     kinds = [json.loads(r) for r in rows]
     assert kinds[0] == {"kind": "cpu", "available": True, "cards": ["cpu"], "reason": ""}
     assert kinds[-1]["config_name"] == "cpu"
+    smi = next(r["furiosa_smi"] for r in kinds if "furiosa_smi" in r)  # the RNGD cards furiosa-smi sees
+    assert isinstance(smi["devices"], list) and ("error" in smi)
 
 
 @pytest.mark.e2e

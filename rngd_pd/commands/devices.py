@@ -19,6 +19,7 @@ from rngd_pd.devices.cpu_features import (
     choose_compute_dtype,
     read_cpu_features,
 )
+from rngd_pd.devices.rngd import smi_snapshot
 from rngd_pd.triton.params import ENV_DTYPE
 
 HELP = "list usable devices (cpu, cuda, rngd, atom), the model config and compute dtype serve would choose"
@@ -85,6 +86,29 @@ def environments() -> list[dict]:
     return [*rows, rngd]
 
 
+def smi_lines(smi: Mapping) -> list[str]:
+    """`rngd-pd devices`' lines for furiosa-smi's view of the RNGD cards (rngd.smi_snapshot)."""
+    version = (smi.get("sdk") or {}).get("furiosa-smi")
+    head = f"rngd cards (furiosa-smi {version}):" if version else "rngd cards (furiosa-smi):"
+    if smi.get("error"):
+        return [f"{head} {smi['error']}"]
+    driver = smi.get("driver") or f"none ({smi.get('driver_error') or 'not reported'})"
+    lines = [f"{head} driver {driver}"]
+    for d in smi.get("devices") or []:
+        gb = 10**9
+        mem, temp = d.get("memory") or {}, d.get("temperature_c") or {}
+        parts = [f"npu{d.get('index')}", str(d.get("name") or "?"), f"fw {d.get('firmware') or '?'}",
+                 f"{d['power_w']:.1f} W" if d.get("power_w") is not None else "power ?",
+                 f"{temp['soc_peak']:.0f} C" if temp.get("soc_peak") is not None else "temperature ?",
+                 f"memory {mem['in_use_bytes'] / gb:.1f} / {mem['total_bytes'] / gb:.1f} GB in use"
+                 if mem else "memory ?"]
+        unread = f" (unreadable: {', '.join(d['errors'])})" if d.get("errors") else ""
+        lines.append("  " + ", ".join(parts) + unread)
+    if not smi.get("devices"):
+        lines.append("  none listed")
+    return lines
+
+
 def config_rows(repository: Path, role: str, usable: set[str], reasons: Mapping[str, str]) -> list[dict]:
     """Each device binding of the model repository: can it load here for `role`, and if not why."""
     from rngd_pd.commands.serve import CONFIG_CHOICES
@@ -111,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     choice, cpu = compute_dtype_choice()
     phases = {model: compute_dtype_choice(phase=phase)[0] for model, phase in PHASE_OF.items()}
     envs = environments()
+    smi = smi_snapshot()
     configs = config_rows(repository, args.role, usable, {r.kind: r.reason for r in rows})
     if args.json:
         for r in rows:
@@ -118,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
                               "reason": r.reason}))
         for e in envs:
             print(json.dumps({"environment": e["env"], **{k: v for k, v in e.items() if k != "env"}}))
+        print(json.dumps({"furiosa_smi": smi}))
         for c in configs:
             print(json.dumps(c))
         print(json.dumps({"config_name": name, "why": why, "role": args.role,
@@ -135,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     for e in envs:
         found = ", ".join(f"{k} {v}" for k, v in e["packages"].items()) or "-"
         print(f"  {e['env']:14} for {e['for']}: {found}" + (f" ({e['problem']})" if e.get("problem") else ""))
+    print("\n" + "\n".join(smi_lines(smi)))
     print(f"\nmodel configs for --role {args.role}:")
     for c in configs:
         state = "loads" if c["loads"] else "cannot load"

@@ -157,6 +157,24 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
     return rows
 
 
+def smi_snapshot(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """furiosa-smi's view of this host's RNGD cards (rngd_pd.devices.rngd_smi, run in `.venv-rngd`):
+    driver, and per card power, temperature, memory; never raises: {"error": why} instead."""
+    python = rngd_python(env)
+    if python is None:
+        return {"devices": [], "driver": None, "error": f"{rngd_env(env)} is missing; {MAKE_HINT}"}
+    from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
+
+    try:
+        proc = subprocess.run([str(python), "-m", "rngd_pd.devices.rngd_smi"], capture_output=True, text=True,
+                              timeout=timeout, cwd=repo_root(), env={**os.environ, **(env or {})},
+                              preexec_fn=die_with_parent)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        why = f"furiosa-smi did not answer: {type(exc).__name__}: {exc}"
+        return {"devices": [], "driver": None, "error": why}
+
+
 # ---------------------------------------------------------------- the card (hardware only)
 
 

@@ -723,7 +723,11 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
                     model.embed_tokens(tokens).to(dev), positions.to(dev), slots.to(dev), kv, weights, head_w)
                 reply({}, [logits.cpu()[:rows]])
             elif op == "memory":
-                reply({"total": 0, "free": 0, "detail": {}})  # no memory query in furiosa-torch 2026.4
+                from rngd_pd.devices.rngd_smi import memory
+
+                mem = memory(index)
+                reply({"total": mem["total_bytes"], "free": mem["total_bytes"] - mem["in_use_bytes"],
+                       "detail": {"source": "furiosa-smi", **mem}})
             else:
                 reply({"error": f"unknown op {op!r}"})
         except Exception as exc:

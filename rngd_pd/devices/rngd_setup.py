@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 SDK = "furiosa-torch==2026.4.0"
+SMI = "furiosa-smi==2026.4.0"  # discovery, power, temperature, memory (rngd_pd/devices/rngd_smi.py)
 EXTRAS = ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm")  # what rngd_pd.model imports
 GB = 10**9
 NEED_FRESH = int(8.6 * GB)  # measured: 7.86 GB at the peak of a fresh build (129 s), + 0.7 slack
@@ -113,7 +114,7 @@ def build(venv: Path, repo: Path, base_python: str = sys.executable) -> int:
         if fresh:
             subprocess.run([base_python, "-m", "venv", str(venv)], check=True)
         _check(_pip(python, "install", "--upgrade", "pip"), "upgrading pip")
-        pins = plan(python, [SDK, *EXTRAS])
+        pins = plan(python, [SDK, SMI, *EXTRAS])
         for k, pin in enumerate(pins, 1):
             print(f"rngd-env [{k}/{len(pins)}] {pin}", flush=True)
             _check(_pip(python, "install", "--no-deps", "--no-cache-dir", "--progress-bar", "on", pin,
@@ -130,8 +131,9 @@ def build(venv: Path, repo: Path, base_python: str = sys.executable) -> int:
     except (RuntimeError, subprocess.CalledProcessError) as e:
         print(f"rngd-env: {e}", file=sys.stderr, flush=True)
         return 1
-    probe = ("import importlib.metadata as m, furiosa.torch, rngd_pd.model; print('rngd-env ready: "
-             "furiosa-torch', m.version('furiosa-torch'), 'torch', m.version('torch'))")
+    probe = ("import importlib.metadata as m, furiosa.torch, furiosa_smi, rngd_pd.model; "
+             "print('rngd-env ready: furiosa-torch', m.version('furiosa-torch'), 'torch', "
+             "m.version('torch'))")
     if subprocess.run([str(python), "-c", probe]).returncode:
         print("rngd-env: built, but furiosa.torch does not import (above)", file=sys.stderr)
         return 1

@@ -221,7 +221,7 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
 
     class DecodeLayer(nn.Module):
         """One decoder layer of a decode step of B rows against a static cache of B slots x L
-        positions: (x, positions, slots, K, V, *weights) -> (x, K, V), the cache written in place."""
+        positions: (x, positions, slots, K, V, *weights) -> (x, K, V with the step's rows written)."""
 
         def __init__(self, b: int, n: int) -> None:
             super().__init__()

@@ -322,23 +322,26 @@ def _conformance(*args, timeout=3000):
 @pytest.mark.timeout(3600)
 def test_rngd_compile_only_conformance():
     """What `make test` checks of the RNGD compiler (docs/devices-rngd.md, "In CI"): every graph the
-    model repository's RNGD configs need (prefill/config.pbtxt, decode/configs/rngd.pbtxt: a layer
-    graph and a head graph per shape) through furiosa's decompositions and DFG import; and prefill
-    T=32 and decode 1x512 (the first bucket, one row), layer and head, through all 12 compiler
-    stages to the binary (no cache: a real compile). The binaries of the configured shapes
-    themselves take longer than CI has: docs/devices-rngd.md has them, measured."""
+    model repository's RNGD configs need (prefill/config.pbtxt, decode/configs/rngd.pbtxt: per shape
+    a layer graph and a head graph, and prefill's layer after each past bucket) through furiosa's
+    decompositions and DFG import; and every kind of graph at small shapes through all 12 compiler
+    stages to the binary (no cache: a real compile): prefill T=32 (layer, head, and the layer after
+    a past of 32) and decode 1x512 (the first bucket, one row; layer and head). The binaries of the
+    configured shapes themselves take longer than CI has: docs/devices-rngd.md has them, measured."""
     _rngd_ready_or_skip()
     from rngd_pd.devices import conformance
 
     shapes = rngd.configured_shapes()
-    want = [(f"{s.kind}_{s.part}", s.shape) for s in rngd_graphs.specs(shapes.prefill_chunks, shapes.decode)]
+    graphs = rngd_graphs.specs(shapes.prefill_chunks, shapes.decode, shapes.prefill_past)
+    want = [(f"{s.kind}_{s.part}", s.shape) for s in graphs]
     rows = _conformance("--stage", "import", "--config-shapes")
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g}@import", w, "ok") for g, w in want]
     b, n = 1, shapes.decode[0][1]
-    rows = _conformance("--stage", "compile", "--chunks", "32", "--decode", f"{b}x{n}", "--no-cache",
-                        "--timeout", "1800")
+    rows = _conformance("--stage", "compile", "--chunks", "32", "--past", "32", "--decode", f"{b}x{n}",
+                        "--no-cache", "--timeout", "1800")
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("prefill_layer@compile", "T=32", "ok"), ("prefill_head@compile", "T=32", "ok"),
+        ("prefill_layer@compile", "T=32,L=32", "ok"),
         ("decode_layer@compile", f"B={b},L={n}", "ok"), ("decode_head@compile", f"B={b}", "ok")]
     assert all("binary" in " ".join(r) for r in rows)
     assert conformance.compile_scope("compile").startswith("the whole compiler")

@@ -198,11 +198,14 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
         def __init__(self, t: int, n: int) -> None:
             super().__init__()
             self.t, self.n = t, n
-            self.register_buffer("keys", torch.arange(n + t), persistent=False)
+            # key columns [L past, T chunk]: past positions, then -1 so that no chunk key is padding
+            # (one comparison: the DFG importer refuses aten.__and__ of two masks)
+            keys = torch.cat([torch.arange(n), torch.full((t,), -1)])
+            self.register_buffer("keys", keys, persistent=False)
 
         def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
                     pk: torch.Tensor, pv: torch.Tensor, *w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            pad = (self.keys >= start) & (self.keys < self.n)  # [L + T]: past positions past its end
+            pad = self.keys >= start  # [L + T]: the past's padding, positions at or past its length
             blocks = [(s, e, bias.masked_fill(pad[: bias.shape[1]], float("-inf")))
                       for s, e, bias in L._causal_blocks(self.n, self.t)]
             return with_weights(layer0, names, w, lambda layer, x: model.prefill_layer(

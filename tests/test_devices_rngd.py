@@ -20,7 +20,7 @@ import torch
 from rngd_pd.devices import rngd, rngd_graphs, rngd_setup
 from rngd_pd.devices.base import Device
 from rngd_pd.devices.runtime import GraphShapes
-from rngd_pd.errors import DeviceUnavailableError
+from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
 
 RNGD0 = Device("rngd", 0, "rngd:0", "test")
 
@@ -426,3 +426,50 @@ def test_smi_snapshot_runs_the_real_furiosa_smi(tmp_path):
         assert smi["devices"] == [] and smi["driver"] is None and "device not found" in smi["driver_error"]
     for card in smi["devices"]:
         assert isinstance(card["index"], int) and card["memory"]["total_bytes"] > 0, card
+
+
+# ---------------------------------------------------------------- the card worker's logic, on CPU graphs
+
+
+class _InProcess:
+    """`_Worker.call` over an in-process CardWorker: every message and reply through the wire
+    format (pack_message / read_message), a failure raised as the runtime raises it."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def call(self, op, tensors=(), **args):
+        msg, ts = rngd.read_message(io.BytesIO(rngd.pack_message({"op": op, **args}, list(tensors))))
+        header, out = self.worker.answer(msg, ts)
+        header, out = rngd.read_message(io.BytesIO(rngd.pack_message(header, out)))
+        if header.get("error"):
+            raise RngdPdError(f"RNGD worker, {op}: {header['error']}")
+        return header, out
+
+
+@pytest.mark.slow
+def test_rngd_runtime_and_card_worker_conform_on_cpu_graphs():
+    """Everything RngdRuntime and its worker do besides furiosa's compile and device (the graphs,
+    per layer and head, compiled here by torch.export and run on the CPU): device conformance
+    against the CPU reference, fp32, tokens equal. Prefill of a full chunk and of 1.5 chunks (the
+    second after a past padded to its bucket), decode of 2 rows at their own lengths (a width
+    padded by the worker where fewer rows run), KV through a card-resident cache and back."""
+    from rngd_pd.devices import conformance
+    from rngd_pd.devices.runtime import as_runtime
+    from rngd_pd.model import load_model
+
+    loaded = load_model(None, dtype=torch.float32, progress=False)
+    worker = rngd_graphs.CardWorker(loaded.model, torch.device("cpu"), lambda ep, name: ep.module())
+    dev = rngd.RngdRuntime.over(_InProcess(worker), RNGD0, loaded)
+    ref = as_runtime(load_model(None, dtype=torch.float32, progress=False))
+    shapes = GraphShapes(prefill_chunks=(16,), decode=((2, 64),), dtype="fp32", kv_dtype="fp32")
+    checks = conformance.run_checks(dev, ref, shapes, steps=4, atol=1e-4, rtol=1e-3)
+    print(conformance.format_table("rngd (CPU graphs)", checks))
+    assert [c.name for c in checks] == ["prepare", "prefill", "prefill", "decode", "kv"]
+    assert all(c.ok for c in checks), conformance.format_table("rngd (CPU graphs)", checks)
+    assert {"prefill_layer_t16", "prefill_head_t16", "prefill_layer_t16_l16", "decode_layer_b2_l64",
+            "decode_head_b2"} <= set(worker.graphs)
+    with pytest.raises(ConfigError, match="longer than the longest RNGD prefill graph"):
+        dev.prefill(dev.tokens(list(range(1, 40))))
+    with pytest.raises(RngdPdError, match="no memory query"):
+        dev.memory()

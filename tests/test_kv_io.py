@@ -6,7 +6,6 @@ import dataclasses
 import json
 import tempfile
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -15,9 +14,15 @@ import torch
 from rngd_pd import errors
 from rngd_pd.kv import load_transport
 from rngd_pd.kv.handle import KVSpec, handle_index
+from rngd_pd.model.cache import KVCache
+from rngd_pd.model.config import ModelConfig
 from rngd_pd.triton.kv_io import ENV_DEBUG_LOG, KVReceiver, KVSender
 
 SPEC = KVSpec("fp-test", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bf16")
+CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=SPEC.num_layers,
+                     num_heads=4, num_kv_heads=SPEC.num_kv_heads, head_dim=SPEC.head_dim, rope_theta=1e4,
+                     rope_scaling=None, rms_norm_eps=1e-5, max_context=64, tie_word_embeddings=True,
+                     bos_token_id=None, eos_token_ids=(0,))
 T = 5
 
 
@@ -38,10 +43,7 @@ def _layers(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _receive(receiver: KVReceiver, key: str, t: int, **kw):
     """Pull into slot 1 of a small cache laid out as decode's KVCache; returns (handle, per-layer K/V)."""
-    shape = (3, SPEC.num_kv_heads, T + 2, SPEC.head_dim)
-    layers = range(SPEC.num_layers)
-    cache = types.SimpleNamespace(k=[torch.zeros(shape, dtype=torch.bfloat16) for _ in layers],
-                                  v=[torch.zeros(shape, dtype=torch.bfloat16) for _ in layers])
+    cache = KVCache(CONFIG, 3, T + 2, torch.bfloat16)
     handle = receiver.receive_into(key, t, cache, 1, **kw)
     assert all(not k[[0, 2]].any() and not k[1, :, t:].any() for k in cache.k + cache.v), "wrote outside"
     return handle, [(k[1, :, :t], v[1, :, :t]) for k, v in zip(cache.k, cache.v, strict=True)]

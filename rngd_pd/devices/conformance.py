@@ -108,9 +108,11 @@ def check_prefill(dev: DeviceRuntime, ref: DeviceRuntime, chunk: int, atol: floa
     return checks
 
 
-def check_decode(dev: DeviceRuntime, ref: DeviceRuntime, width: int, bucket: int, steps: int) -> Check:
+def check_decode(dev: DeviceRuntime, ref: DeviceRuntime, width: int, bucket: int, steps: int,
+                 chunk: int = 512, kv_dtype: Any = "fp32") -> Check:
     """`width` rows of different lengths decoded together; every row's greedy tokens must equal
-    the reference's for the same row decoded the same way."""
+    the reference's for the same row decoded the same way (prompts prefilled in chunks of `chunk`,
+    the graphs a static-shape device prepared; KV in `kv_dtype` on both sides)."""
     from rngd_pd.engine.prefill import PrefillEngine
     from rngd_pd.model.sampling import SamplingParams
 
@@ -119,10 +121,10 @@ def check_decode(dev: DeviceRuntime, ref: DeviceRuntime, width: int, bucket: int
         prompts = [_prompt(ref.loaded.tokenizer, n, 100 + r) for r, n in enumerate(lengths)]
         results = []
         for rt in (ref, dev):
-            pre = PrefillEngine(rt, "fp32", None)
+            pre = PrefillEngine(rt, kv_dtype, chunk)
             params = SamplingParams(max_tokens=steps + 1)
             with rt.inference():
-                cache = rt.new_cache(width, bucket, "fp32")
+                cache = rt.new_cache(width, bucket, kv_dtype)
                 firsts = []
                 for slot, ids in enumerate(prompts):
                     out = pre.prefill(f"c{slot}", ids, params)
@@ -165,7 +167,7 @@ def check_kv_roundtrip(dev: DeviceRuntime, width: int, bucket: int, kv_dtype: st
         cache = dev.new_cache(width, bucket, kv_dtype)
         slot = width - 1
         cache.load(slot, c.num_layers - 1, host, host, start=bucket - n)
-        stored = dev.to_host(cache.k[c.num_layers - 1][slot, :, bucket - n:])
+        stored = dev.to_host(cache.read(slot, c.num_layers - 1, bucket - n, bucket)[0])
         if not torch.equal(stored.contiguous().view(torch.uint8), host.view(torch.uint8)):
             return False, "a slot's K read back differs from what was loaded"
         return True, f"{host.numel() * host.element_size()} bytes exact ({kv_dtype})"
@@ -182,8 +184,9 @@ def run_checks(dev: DeviceRuntime, ref: DeviceRuntime, shapes: GraphShapes, step
         return checks
     for chunk in shapes.prefill_chunks:
         checks += check_prefill(dev, ref, chunk, atol, rtol)
+    chunk = max(shapes.prefill_chunks)
     for width, bucket in shapes.decode:
-        checks.append(check_decode(dev, ref, width, bucket, steps))
+        checks.append(check_decode(dev, ref, width, bucket, steps, chunk, shapes.kv_dtype))
         checks.append(check_kv_roundtrip(dev, width, bucket, shapes.kv_dtype))
     return checks
 

@@ -13,10 +13,13 @@ builds; our prefill and decode graphs export and go through furiosa's own decomp
 compiler runs to the end once an aarch64 cross compiler is installed (it builds the PEs' C code with
 `aarch64-linux-gnu-gcc`; without it every compile fails with "No such file or directory (os error 2)").
 
-What is NOT verified (no card, no driver here): everything in `RngdRuntime` past its checks. It
-drives a `.venv-rngd` worker (`rngd_graphs --serve`) that loads the compiled graphs onto
-`furiosa:N` (`CompileModule.to(device)`, then `forward`); written against furiosa-torch 2026.4's
-installed Python sources and the documented API, never run. Where the card or driver is missing,
+What is NOT verified (no card, no driver here): furiosa's side of the card. `RngdRuntime` drives
+a `.venv-rngd` worker (`rngd_graphs --serve`, a `CardWorker`) that loads the compiled graphs onto
+`furiosa:N` (`CompileModule.from_exported(...).to(device)`, then calls them), written against
+furiosa-torch 2026.4's installed sources, never run on a card. The rest of that path (this runtime,
+the messages, the worker's padding, chunk and past buckets, layer-by-layer chains and cache) runs
+in tests with the same graphs compiled by torch.export on the CPU and passes device conformance
+against the CPU reference (tests/test_devices_rngd.py). Where the card or driver is missing,
 `RngdRuntime(...)` raises DeviceUnavailableError naming it; it never computes on the CPU.
 """
 
@@ -272,6 +275,11 @@ class RngdCache:
     def load(self, slot: int, layer: int, k: Any, v: Any, start: int = 0) -> None:
         self.worker.call("load", [k, v], cache=self.id, slot=slot, layer=layer, start=start)
 
+    def read(self, slot: int, layer: int, start: int, end: int) -> tuple[Any, Any]:
+        """One layer's K/V of `slot` at positions [start, end), copied to the host."""
+        _, (k, v) = self.worker.call("read", cache=self.id, slot=slot, layer=layer, start=start, end=end)
+        return k, v
+
     def load_all(self, slot: int, kv: KVList, start: int = 0) -> None:
         if len(kv) != self.config.num_layers:
             raise ConfigError(f"got K/V for {len(kv)} layers, the model has {self.config.num_layers}")
@@ -288,13 +296,24 @@ class RngdRuntime:
         if device.kind != "rngd":
             raise unavailable(f"RngdRuntime cannot run on {device.kind!r}", "use device rngd")
         check_card(device, env)  # raises here, on every host without a card and its driver
-        self.device, self.loaded = device, loaded  # pragma: no cover - from here on: hardware only
-        dtype = short_dtype(loaded.model.dtype)
-        self.worker = _Worker(require_rngd_python(env), device, loaded.source, dtype)
+        worker = _Worker(require_rngd_python(env), device, loaded.source,  # pragma: no cover - a card
+                         short_dtype(loaded.model.dtype))
+        self._attach(device, loaded, worker)  # pragma: no cover
+
+    @classmethod
+    def over(cls, worker: Any, device: Device, loaded: Any) -> RngdRuntime:
+        """A runtime over a worker already running: anything with `_Worker.call`'s signature (the
+        tests drive an in-process `rngd_graphs.CardWorker` on CPU graphs this way)."""
+        self = cls.__new__(cls)
+        self._attach(device, loaded, worker)
+        return self
+
+    def _attach(self, device: Device, loaded: Any, worker: Any) -> None:
+        self.device, self.loaded, self.worker = device, loaded, worker
         self.chunks: tuple[int, ...] = ()
         self.past: tuple[int, ...] = ()
 
-    def prepare(self, shapes: GraphShapes) -> None:  # pragma: no cover - hardware only
+    def prepare(self, shapes: GraphShapes) -> None:
         header, _ = self.worker.call("prepare", chunks=list(shapes.prefill_chunks),
                                      past=list(shapes.prefill_past), decode=[list(d) for d in shapes.decode],
                                      kv_dtype=short_dtype(shapes.kv_dtype))
@@ -323,7 +342,7 @@ class RngdRuntime:
         return torch.as_tensor(np.asarray(ids, dtype=np.int64))
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
-                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:  # pragma: no cover - hardware only
+                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:
         """A chunk of up to the longest compiled length T after a past of up to the longest past
         bucket; shorter ones run padded in the smallest graph that holds them (the engine splits
         longer prompts into chunks)."""
@@ -347,7 +366,7 @@ class RngdRuntime:
 
         return torch.empty(tuple(shape), dtype=self.dtype(dtype))  # host staging (KV assembly)
 
-    def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:  # pragma: no cover
+    def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:
         return RngdCache(self.worker, self.loaded.config, num_slots, max_len, self.dtype(kv_dtype))
 
     def step_buffers(self, rows: int) -> tuple[Any, Any]:
@@ -357,7 +376,7 @@ class RngdRuntime:
         host = np.zeros((3, rows), dtype=np.int64)
         return host, torch.from_numpy(host)  # sent to the worker with each step (3 x rows int64)
 
-    def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:  # pragma: no cover
+    def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:
         _, out = self.worker.call("decode", [tokens, positions, slots], cache=cache.id)
         return out[0].float()
 
@@ -370,6 +389,6 @@ class RngdRuntime:
     def compute_thread(self) -> None:
         """Nothing is kept per thread."""
 
-    def memory(self) -> MemoryInfo:  # pragma: no cover - hardware only
+    def memory(self) -> MemoryInfo:
         header, _ = self.worker.call("memory")
         return MemoryInfo(int(header["total"]), int(header["free"]), header.get("detail", {}))

@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rngd_pd.errors import RngdPdError
+
 DEFAULT_CHUNKS = (128, 512)
 DEFAULT_DECODE = ((1, 512), (8, 2048))
 
@@ -628,113 +630,140 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- the card worker (hardware only)
 
 
-def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
-    """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.pack_message), the
-    compiled graphs, every layer's weights and the KV caches resident on `furiosa:<index>`. NOT
-    verified: written against furiosa-torch 2026.4's sources (CompileModule.from_exported,
-    .to(device), forward) without a card.
+class CardWorker:
+    """What the RngdRuntime worker does with each message, on one device: the compiled graphs,
+    every layer's weights and the KV caches resident there. `compile_graph(exported_program, name)`
+    returns a callable on `device` (furiosa's `CompileModule.from_exported(...).to(device)` in
+    `serve`; tests pass the exported program's own module on the CPU, to run this logic against
+    the model without a card).
 
     A prompt shorter than a compiled chunk is padded with zero rows after its last token (causal
-    attention: its rows never see them; the head reads row n - 1); a decode step of fewer rows than
-    a compiled width with copies of its first row (same token, position and slot: the padded rows
-    write the same bits to the same place)."""
+    attention: its rows never see them; the head reads row n - 1), a past up to its bucket (masked
+    in the graph); a decode step of fewer rows than a compiled width with copies of its first row
+    (same token, position and slot: the padded rows write the same bits to the same place)."""
+
+    def __init__(self, model: Any, device: Any, compile_graph: Any, memory: Any = None) -> None:
+        self.model, self.device, self.compile_graph, self.memory = model, device, compile_graph, memory
+        self.weights = [tuple(w.to(device) for w in ws) for ws in layer_weights(model)]
+        self.head_w = tuple(w.to(device) for w in head_weights(model))
+        self.graphs: dict[str, Any] = {}
+        self.chunks: list[int] = []
+        self.pasts: list[int] = []
+        self.caches: dict[int, list[Any]] = {}
+        self._ids = iter(range(1, 1 << 62))
+
+    def handle(self, msg: dict[str, Any], ts: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """One request -> (reply header, reply tensors); raises on a bad request."""
+        import torch
+
+        op, model, dev, c = msg["op"], self.model, self.device, self.model.config
+        if op == "prepare":
+            rows = []
+            decode = tuple(tuple(d) for d in msg["decode"])
+            for spec in specs(tuple(msg["chunks"]), decode, tuple(msg["past"])):
+                if spec.name in self.graphs:  # each engine prepares what it needs; a graph loads once
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    ep = export(model, spec, _dtype(msg["kv_dtype"]))
+                    self.graphs[spec.name] = self.compile_graph(ep, spec.name)
+                    rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
+                except Exception as exc:
+                    rows.append({"name": spec.name, "shape": spec.shape, "ok": False,
+                                 "error": _short(str(exc)), "refused_ops": refused_ops(str(exc))})
+                rows[-1]["seconds"] = round(time.perf_counter() - t0, 2)
+            self.chunks = sorted(set(self.chunks) | set(msg["chunks"]))
+            self.pasts = sorted(set(self.pasts) | set(msg["past"]))
+            return {"rows": rows}, []
+        if op == "new_cache":
+            shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
+            cache = next(self._ids)
+            self.caches[cache] = [torch.zeros(shape, dtype=_dtype(msg["kv_dtype"])).to(dev)
+                                  for _ in range(2 * c.num_layers)]
+            return {"cache": cache}, []
+        if op == "load":  # K/V [KVH, T, hd] of one layer (layer >= 0) or of all layers (-1)
+            kv, slot, start = self.caches[msg["cache"]], msg["slot"], msg["start"]
+            first = 0 if msg["layer"] < 0 else 2 * msg["layer"]
+            for j, t in enumerate(ts):
+                host = kv[first + j].cpu()  # read-modify-write through the host (no DMA API known)
+                host[slot, :, start:start + t.shape[1]] = t.to(host.dtype)
+                kv[first + j] = host.to(dev)
+            return {}, []
+        if op == "read":  # one layer's K, V of a slot at positions [start, end), to the host
+            kv, at = self.caches[msg["cache"]], 2 * msg["layer"]
+            return {}, [t[msg["slot"], :, msg["start"]:msg["end"]].cpu() for t in kv[at:at + 2]]
+        if op == "prefill":  # tokens [n], then the past's K_0, V_0, ... [KVH, P, hd] (none: P = 0)
+            n, p = int(ts[0].shape[0]), int(ts[1].shape[1]) if len(ts) > 1 else 0
+            t = min(x for x in self.chunks if x >= n)  # RngdRuntime.prefill checked that one exists
+            x = torch.zeros(t, c.hidden_size, dtype=model.dtype)
+            x[:n] = model.embed_tokens(ts[0])
+            name, past = f"prefill_layer_t{t}", None
+            if p:
+                bucket = min(x for x in self.pasts if x >= p)
+                name += f"_l{bucket}"
+                cos, sin = model._rope(*model.rope.span(p, t))
+                padded = [torch.zeros(c.num_kv_heads, bucket, c.head_dim, dtype=k.dtype) for k in ts[1:]]
+                for buf, k in zip(padded, ts[1:], strict=True):
+                    buf[:, :p] = k
+                past = (cos.to(dev), sin.to(dev), torch.tensor([p]).to(dev), [b.to(dev) for b in padded])
+            logits, kv = prefill_chain(self.graphs[name], self.graphs[f"prefill_head_t{t}"], x.to(dev),
+                                       torch.tensor([n - 1]).to(dev), self.weights, self.head_w, past)
+            return {}, [logits.cpu(), *(k.cpu()[:, :n] for k in kv)]
+        if op == "decode":
+            kv = self.caches[msg["cache"]]
+            tokens, positions, slots = ts
+            rows, width = int(tokens.shape[0]), kv[0].shape[0]
+            pad = width - rows
+            if pad:
+                tokens, positions, slots = (torch.cat([v, v[:1].expand(pad)]) for v in ts)
+            logits, self.caches[msg["cache"]] = decode_chain(
+                self.graphs[f"decode_layer_b{width}_l{kv[0].shape[2]}"], self.graphs[f"decode_head_b{width}"],
+                model.embed_tokens(tokens).to(dev), positions.to(dev), slots.to(dev), kv, self.weights,
+                self.head_w)
+            return {}, [logits.cpu()[:rows]]
+        if op == "memory":
+            if self.memory is None:
+                raise RngdPdError("no memory query for this device")
+            mem = self.memory()
+            return {"total": mem["total_bytes"], "free": mem["total_bytes"] - mem["in_use_bytes"],
+                    "detail": {"source": "furiosa-smi", **mem}}, []
+        raise ValueError(f"unknown op {op!r}")
+
+    def answer(self, msg: dict[str, Any], ts: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        """`handle`, with a failure as the reply's "error" (the runtime raises it as RngdPdError)."""
+        try:
+            return self.handle(msg, ts)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {_short(str(exc), 2000)}"}, []
+
+
+def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
+    """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.pack_message) handled
+    by a CardWorker on `furiosa:<index>`. NOT verified on a card: written against furiosa-torch
+    2026.4's sources (CompileModule.from_exported, .to(device), forward); its message handling runs
+    in tests with CPU graphs."""
     import torch
     from furiosa.torch import CompileModule
 
     from rngd_pd.devices.rngd import pack_message, read_message
+    from rngd_pd.devices.rngd_smi import memory
     from rngd_pd.model import load_model
 
     dev = torch.device(f"furiosa:{index}")
     loaded = load_model(source, dtype=_dtype(dtype), progress=False)
-    c, model = loaded.config, loaded.model
-    weights = [tuple(w.to(dev) for w in ws) for ws in layer_weights(model)]
-    head_w = tuple(w.to(dev) for w in head_weights(model))
-    graphs: dict[str, Any] = {}
-    chunks: list[int] = []
-    pasts: list[int] = []
-    caches: dict[int, list[Any]] = {}
+    worker = CardWorker(loaded.model, dev,
+                        lambda ep, name: CompileModule.from_exported(ep, task_name=name).to(dev),
+                        lambda: memory(index))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
-
-    def reply(header: dict[str, Any], tensors: list[Any] | None = None) -> None:
-        stdout.write(pack_message(header, tensors or []))
-        stdout.flush()
-
     while True:
         try:
             msg, ts = read_message(stdin)
         except EOFError:
             return 0
-        try:
-            op = msg["op"]
-            if op == "prepare":
-                rows = []
-                for spec in specs(tuple(msg["chunks"]), tuple(tuple(d) for d in msg["decode"]),
-                                  tuple(msg["past"])):
-                    t0 = time.perf_counter()
-                    try:
-                        ep = export(model, spec, _dtype(msg["kv_dtype"]))
-                        graphs[spec.name] = CompileModule.from_exported(ep, task_name=spec.name).to(dev)
-                        rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
-                    except Exception as exc:
-                        rows.append({"name": spec.name, "shape": spec.shape, "ok": False,
-                                     "error": _short(str(exc)), "refused_ops": refused_ops(str(exc))})
-                    rows[-1]["seconds"] = round(time.perf_counter() - t0, 2)
-                chunks = sorted(set(chunks) | set(msg["chunks"]))
-                pasts = sorted(set(pasts) | set(msg["past"]))
-                reply({"rows": rows})
-            elif op == "new_cache":
-                shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
-                kv = [torch.zeros(shape, dtype=_dtype(msg["kv_dtype"])).to(dev)
-                      for _ in range(2 * c.num_layers)]
-                caches[id(kv)] = kv
-                reply({"cache": id(kv)})
-            elif op == "load":  # K/V [KVH, T, hd] of one layer (layer >= 0) or of all layers (-1)
-                kv, slot, start = caches[msg["cache"]], msg["slot"], msg["start"]
-                first = 0 if msg["layer"] < 0 else 2 * msg["layer"]
-                for j, t in enumerate(ts):
-                    host = kv[first + j].cpu()  # read-modify-write through the host (no DMA API known)
-                    host[slot, :, start:start + t.shape[1]] = t.to(host.dtype)
-                    kv[first + j] = host.to(dev)
-                reply({})
-            elif op == "prefill":  # tokens [n], then the past's K_0, V_0, ... [KVH, P, hd] (P may be 0)
-                n, p = int(ts[0].shape[0]), int(ts[1].shape[1]) if len(ts) > 1 else 0
-                t = min(x for x in chunks if x >= n)  # RngdRuntime.prefill checked that one exists
-                x = torch.zeros(t, c.hidden_size, dtype=model.dtype)
-                x[:n] = model.embed_tokens(ts[0])
-                name, past = f"prefill_layer_t{t}", None
-                if p:
-                    bucket = min(x for x in pasts if x >= p)
-                    name += f"_l{bucket}"
-                    cos, sin = model._rope(*model.rope.span(p, t))
-                    padded = [torch.zeros(c.num_kv_heads, bucket, c.head_dim, dtype=k.dtype) for k in ts[1:]]
-                    for buf, k in zip(padded, ts[1:], strict=True):
-                        buf[:, :p] = k
-                    past = (cos.to(dev), sin.to(dev), torch.tensor([p]).to(dev), [b.to(dev) for b in padded])
-                logits, kv = prefill_chain(graphs[name], graphs[f"prefill_head_t{t}"], x.to(dev),
-                                           torch.tensor([n - 1]).to(dev), weights, head_w, past)
-                reply({}, [logits.cpu(), *(k.cpu()[:, :n] for k in kv)])
-            elif op == "decode":
-                kv = caches[msg["cache"]]
-                tokens, positions, slots = ts
-                rows, width = int(tokens.shape[0]), kv[0].shape[0]
-                pad = width - rows
-                if pad:
-                    tokens, positions, slots = (torch.cat([v, v[:1].expand(pad)]) for v in ts)
-                logits, caches[msg["cache"]] = decode_chain(
-                    graphs[f"decode_layer_b{width}_l{kv[0].shape[2]}"], graphs[f"decode_head_b{width}"],
-                    model.embed_tokens(tokens).to(dev), positions.to(dev), slots.to(dev), kv, weights, head_w)
-                reply({}, [logits.cpu()[:rows]])
-            elif op == "memory":
-                from rngd_pd.devices.rngd_smi import memory
-
-                mem = memory(index)
-                reply({"total": mem["total_bytes"], "free": mem["total_bytes"] - mem["in_use_bytes"],
-                       "detail": {"source": "furiosa-smi", **mem}})
-            else:
-                reply({"error": f"unknown op {op!r}"})
-        except Exception as exc:
-            reply({"error": f"{type(exc).__name__}: {_short(str(exc), 2000)}"})
+        header, out = worker.answer(msg, ts)
+        stdout.write(pack_message(header, out))
+        stdout.flush()
 
 
 def _spec_by_name(name: str) -> GraphSpec:

@@ -53,7 +53,7 @@ class PrefillEngine:
         self.chunk_size = chunk_size
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         chunk = chunk_size or self.max_context
-        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk,),
+        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk,), kv_dtype=self.kv_dtype,
                                          prefill_past=past_buckets(chunk, self.max_context)))
         c = self.config
         self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,

@@ -52,6 +52,11 @@ class KVCache:
         self.k[layer][slot, :, start : start + t].copy_(k)
         self.v[layer][slot, :, start : start + t].copy_(v)
 
+    def read(self, slot: int, layer: int, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """One layer's K/V of `slot` at positions [start, end), [kv_heads, end - start, head_dim]:
+        views on the cache's device (a device cache without host views returns host copies)."""
+        return self.k[layer][slot, :, start:end], self.v[layer][slot, :, start:end]
+
     def load_all(self, slot: int, kv: list[tuple[Tensor, Tensor]], start: int = 0) -> None:
         """Load every layer's (K, V) of one sequence (e.g. a prefill result) into `slot`."""
         if len(kv) != self.config.num_layers:

@@ -142,20 +142,22 @@ class KVReceiver:
         dtype = torch_dtype(s.dtype)
         shape = (s.num_kv_heads, prompt_len, s.head_dim)
         expected = s.num_kv_heads * prompt_len * s.head_dim * dtype.itemsize
-        staging = self._buffer(expected)
+        staging = self._buffer(2 * expected)
         deadline = Deadline(self.timeout_s)
         seen: list[tuple[int, int]] = []
         for layer in range(s.num_layers):
-            for index, target in ((k_index(layer), cache.k[layer]), (v_index(layer), cache.v[layer])):
-                got = self._pull(key, index, staging[:expected], deadline, cancelled)
+            blobs = []
+            for index, at in ((k_index(layer), 0), (v_index(layer), expected)):
+                blob = staging[at:at + expected]
+                got = self._pull(key, index, blob, deadline, cancelled)
                 if got != expected:
                     raise errors.TransportIntegrityError(
                         f"KV blob {index} has {got} bytes; a {prompt_len}-token prompt needs {expected} "
                         f"({s.num_kv_heads} kv heads x {s.head_dim} x {s.dtype})", key=key)
-                blob = staging[:expected]
                 seen.append((got, checksum(as_bytes(blob), DEFAULT_CHECKSUM)))
                 debug_log("decode", key, index, blob)
-                target[slot, :, :prompt_len].copy_(blob.view(dtype).view(shape))
+                blobs.append(blob.view(dtype).view(shape))
+            cache.load(slot, layer, *blobs)  # the cache's own copy: host tensors, a GPU, or a card
         raw = staging[:HANDLE_MAX_BYTES]
         n = self._pull(key, handle_index(s.num_layers), raw, deadline, cancelled)
         handle = KVHandle.from_json(bytes(raw[:n].numpy()))

@@ -189,8 +189,9 @@ def test_layer_and_head_graphs_compute_what_the_model_computes(smollm_bf16):
     cos, sin = m._rope(*m.rope.span(p, 40))
     x = torch.cat([m.embed_tokens(tokens[p:]), torch.zeros(p, c.hidden_size, dtype=m.dtype)])
     layer = rngd_graphs.build_wrapper(m, rngd_graphs.GraphSpec("prefill", t=40, l=32), torch.bfloat16)[0]
+    past = (cos, sin, rngd_graphs.past_mask(p, 32, 40), padded)
     logits, kv = rngd_graphs.prefill_chain(layer, _graphs(m, "prefill", t=40)[1], x, torch.tensor([39 - p]),
-                                           weights, head_w, (cos, sin, torch.tensor([p]), padded))
+                                           weights, head_w, past)
     assert torch.allclose(logits, ref_logits, atol=0.05, rtol=0)  # the whole prompt's last logits
     assert torch.equal(logits.argmax(), ref_logits.argmax())
     assert all(torch.allclose(a[:, : 40 - p].float(), b[:, p:].float(), atol=0.02, rtol=0.02)

@@ -22,8 +22,9 @@ inputs and outputs, no module state; the embedding lookup stays on the host (`em
   runs. `prefill_head_t<T>`: x [T, hidden], last int64 [1], norm, lm_head -> fp32 logits [vocab] of
   row `last` (a prompt of n < T tokens runs padded; its rows never see the padding).
   `prefill_layer_t<T>_l<L>`: a chunk after earlier ones: x, the chunk's RoPE rows cos/sin [T,
-  head_dim] (host), start int64 [1], the past K/V [kv_heads, L, head_dim] padded to the bucket L
-  (`runtime.past_buckets`), the weights -> (x, K, V); past positions >= start are masked.
+  head_dim] and the keys' mask [L + T] (-inf on the past's padding: `past_mask`) from the host, the
+  past K/V [kv_heads, L, head_dim] padded to the bucket L (`runtime.past_buckets`), the weights ->
+  (x, K, V).
 * `decode_layer_b<B>_l<L>`: x [B, hidden], positions int64 [B], slots int64 [B], K, V [B, kv_heads,
   L, head_dim] (a static cache of B slots of L positions), the layer's weights -> (x, K, V updated).
   The blocks of `Llama.decode_step` (projections, RoPE, `_attend`, SwiGLU) without its host-side
@@ -191,25 +192,20 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
                 layer, x, self.cos, self.sin, blocks, None, kv_dtype), x)
 
     class PrefillPastLayer(nn.Module):
-        """`Llama.prefill_layer` of a chunk of T tokens after a past of up to L: (x, cos, sin, start,
+        """`Llama.prefill_layer` of a chunk of T tokens after a past of up to L: (x, cos, sin, mask,
         past K, past V, *weights) -> (x, K, V). The past is the cache of the earlier chunks padded
-        to L (K/V [kv_heads, L, head_dim]), `start` int64 [1] its real length: the padded keys are
-        masked. cos/sin [T, hd] are the chunk's RoPE rows from the host (a gather of T table rows in
-        the graph is what furiosa cannot lower)."""
+        to L (K/V [kv_heads, L, head_dim]); from the host come the chunk's RoPE rows cos/sin [T, hd]
+        (a gather of T table rows is what furiosa cannot lower) and `mask` fp32 [L + T], added to
+        every query row: -inf on the past's padding, else 0 (`past_mask`; a mask computed in the
+        graph from the past's length was refused at the end of lowering, like the big gathers)."""
 
         def __init__(self, t: int, n: int) -> None:
             super().__init__()
             self.t, self.n = t, n
-            # key columns [L past, T chunk]: past positions, then -1 so that no chunk key is padding
-            # (one comparison: the DFG importer refuses aten.__and__ of two masks)
-            keys = torch.cat([torch.arange(n), torch.full((t,), -1)])
-            self.register_buffer("keys", keys, persistent=False)
 
-        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                     pk: torch.Tensor, pv: torch.Tensor, *w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            pad = self.keys >= start  # [L + T]: the past's padding, positions at or past its length
-            blocks = [(s, e, bias.masked_fill(pad[: bias.shape[1]], float("-inf")))
-                      for s, e, bias in L._causal_blocks(self.n, self.t)]
+            blocks = [(s, e, bias + mask[: bias.shape[1]]) for s, e, bias in L._causal_blocks(self.n, self.t)]
             return with_weights(layer0, names, w, lambda layer, x: model.prefill_layer(
                 layer, x, cos, sin, blocks, (pk, pv), kv_dtype), x)
 
@@ -278,7 +274,7 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
         if spec.l:
             cos, sin = model._rope(*model.rope.span(spec.l, spec.t))
             pk, pv = (torch.zeros(c.num_kv_heads, spec.l, c.head_dim, dtype=kv_dtype) for _ in range(2))
-            return PrefillPastLayer(spec.t, spec.l), (x, cos, sin, torch.tensor([spec.l]), pk, pv,
+            return PrefillPastLayer(spec.t, spec.l), (x, cos, sin, past_mask(spec.l, spec.l, spec.t), pk, pv,
                                                        *layer0.parameters())
         return PrefillLayer(spec.t), (x, *layer0.parameters())
     b, n = spec.b, spec.l
@@ -290,11 +286,21 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
     return DecodeLayer(b, n), (x, positions, torch.arange(b), ck, cv, *layer0.parameters())
 
 
+def past_mask(p: int, bucket: int, t: int) -> Any:
+    """The past layer graph's `mask` [bucket + t]: -inf on the positions of a past of p tokens padded
+    to the bucket, 0 on the real past and the chunk's own keys (causality is the graph's)."""
+    import torch
+
+    mask = torch.zeros(bucket + t)
+    mask[p:bucket] = float("-inf")
+    return mask
+
+
 def prefill_chain(layer: Any, head: Any, x: Any, last: Any, weights: list[tuple[Any, ...]],
                   head_w: tuple[Any, ...], past: tuple[Any, Any, Any, list[Any]] | None = None
                   ) -> tuple[Any, list[Any]]:
     """A prefill through a layer graph and a head graph (compiled or not): (logits, [K_0, V_0, ...]).
-    `past`: (cos, sin, start, [K_0, V_0, ...] of the earlier chunks, padded to the graph's bucket)."""
+    `past`: (cos, sin, mask, [K_0, V_0, ...] of the earlier chunks, padded to the graph's bucket)."""
     kv = []
     for i, w in enumerate(weights):
         extra = (*past[:3], past[3][2 * i], past[3][2 * i + 1]) if past else ()
@@ -705,7 +711,8 @@ class CardWorker:
                 padded = [torch.zeros(c.num_kv_heads, bucket, c.head_dim, dtype=k.dtype) for k in ts[1:]]
                 for buf, k in zip(padded, ts[1:], strict=True):
                     buf[:, :p] = k
-                past = (cos.to(dev), sin.to(dev), torch.tensor([p]).to(dev), [b.to(dev) for b in padded])
+                mask = past_mask(p, bucket, t)
+                past = (cos.to(dev), sin.to(dev), mask.to(dev), [b.to(dev) for b in padded])
             logits, kv = prefill_chain(self.graphs[name], self.graphs[f"prefill_head_t{t}"], x.to(dev),
                                        torch.tensor([n - 1]).to(dev), self.weights, self.head_w, past)
             return {}, [logits.cpu(), *(k.cpu()[:, :n] for k in kv)]

@@ -246,29 +246,14 @@ class Llama(nn.Module):
         K/V per layer are [kv_heads, T, head_dim] in kv_dtype; on_layer(i, K, V) gets them as soon
         as layer i computed them. Attention reads the kv_dtype-rounded values, as decode will.
         """
-        return self.prefill_embedded(self.embed_tokens(tokens), past, on_layer, kv_dtype)
-
-    def embed_tokens(self, tokens: Tensor) -> Tensor:
-        """tokens [N] -> their embedding rows [N, D]: the one lookup every graph of the model starts
-        with (the RNGD graphs take its result as input: docs/devices-rngd.md)."""
-        return F.embedding(tokens, self.embed)
-
-    def prefill_embedded(
-        self,
-        x: Tensor,
-        past: KV | None = None,
-        on_layer: OnLayer | None = None,
-        kv_dtype: torch.dtype = torch.bfloat16,
-    ) -> tuple[Tensor, KV]:
-        """`prefill` from the prompt's embedding rows x [T, D] (`embed_tokens`): the graph an NPU
-        compiler traces, since furiosa cannot lower the lookup of a long prompt (rngd_graphs)."""
         c = self.config
-        t = int(x.shape[0])
+        t = int(tokens.shape[0])
         p = int(past[0][0].shape[1]) if past else 0
         if t < 1:
             raise ConfigError("prefill needs at least one token")
         if past is not None and len(past) != c.num_layers:
             raise ConfigError(f"past has K/V for {len(past)} layers, the model has {c.num_layers}")
+        x = self.embed_tokens(tokens)
         cos, sin = self._rope(*self.rope.span(p, t))  # [T, hd]
         blocks = _causal_blocks(p, t, self.embed.device)
         out: KV = []
@@ -278,6 +263,11 @@ class Llama(nn.Module):
             if on_layer is not None:
                 on_layer(i, k, v)
         return self._logits(x[-1:])[0], out
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [N] -> their embedding rows [N, D]: the one lookup every graph of the model starts
+        with (the RNGD graphs take its result as input: docs/devices-rngd.md)."""
+        return F.embedding(tokens, self.embed)
 
     def prefill_layer(
         self,

@@ -135,6 +135,15 @@ def parse_rows(text: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _run_module(python: Path, args: list[str], timeout: float | None,
+                env: Mapping[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """`python -m ARGS` in the RNGD environment, from the repository, killed with its caller."""
+    from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
+
+    return subprocess.run([str(python), "-m", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=repo_root(), env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
+
+
 def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                   timeout: float | None = None, per_graph_timeout: float = 7200.0, no_cache: bool = False,
                   env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
@@ -147,12 +156,9 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
     (naming `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr."""
     python = require_rngd_python(env)
     shapes = DEFAULT_SHAPES if shapes is None else shapes
-    cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
-           "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
-    from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
-
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo_root(),
-                          env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
+    proc = _run_module(python, [_GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
+                                "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else []),
+                       timeout, env)
     rows = parse_rows(proc.stdout)
     if not rows and (shapes.prefill_chunks or shapes.decode):
         raise RngdPdError(f"rngd_graphs printed no results (exit status {proc.returncode}): "
@@ -166,12 +172,8 @@ def smi_snapshot(env: Mapping[str, str] | None = None, timeout: float = 60.0) ->
     python = rngd_python(env)
     if python is None:
         return {"devices": [], "driver": None, "error": f"{rngd_env(env)} is missing; {MAKE_HINT}"}
-    from rngd_pd.devices.rngd_graphs import die_with_parent  # stdlib only at import
-
     try:
-        proc = subprocess.run([str(python), "-m", "rngd_pd.devices.rngd_smi"], capture_output=True, text=True,
-                              timeout=timeout, cwd=repo_root(), env={**os.environ, **(env or {})},
-                              preexec_fn=die_with_parent)
+        proc = _run_module(python, ["rngd_pd.devices.rngd_smi"], timeout, env)
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
         why = f"furiosa-smi did not answer: {type(exc).__name__}: {exc}"

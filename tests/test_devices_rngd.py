@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -46,6 +47,41 @@ def test_environment_without_its_stamp_counts_as_missing(tmp_path):
     assert rngd.rngd_python(env) is None
     with pytest.raises(DeviceUnavailableError, match=r"incomplete; run `make rngd-env`"):
         rngd.require_rngd_python(env)
+
+
+def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path):
+    """--max-unique-shapes reaches rngd_graphs only when asked, and the check's detail says the
+    search was bounded (a binary compiled so is a check, not the one to serve)."""
+    env = _fake_env(tmp_path)
+    python = tmp_path / "venv-rngd" / "bin" / "python"  # answers with a row of what it was asked
+    python.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
+        import json, sys
+        a = sys.argv
+        bound = int(a[a.index("--max-unique-shapes") + 1]) if "--max-unique-shapes" in a else None
+        print(json.dumps({"name": "prefill_layer_t32", "graph": "prefill", "part": "layer", "shape": "T=32",
+                          "ok": True, "stage": "done", "binary_bytes": 1, "max_unique_shapes": bound,
+                          "argv": a[1:]}))
+        """))
+    python.chmod(0o755)
+    shapes = GraphShapes(prefill_chunks=(32,))
+    (row,) = rngd.compile_check(shapes, no_cache=True, max_unique_shapes=16, env=env)
+    assert row["argv"][-3:] == ["--no-cache", "--max-unique-shapes", "16"]
+    (row,) = rngd.compile_check(shapes, env=env)
+    assert "--max-unique-shapes" not in row["argv"] and "--no-cache" not in row["argv"]
+    from rngd_pd.devices import conformance
+
+    old = os.environ.get(rngd.ENV_RNGD_VENV)
+    os.environ.update(env)
+    try:
+        (check,) = conformance.compile_only("rngd", shapes, "compile", max_unique_shapes=16)
+        (plain,) = conformance.compile_only("rngd", shapes, "compile")
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        if old is not None:
+            os.environ[rngd.ENV_RNGD_VENV] = old
+    assert check.ok and check.detail.endswith("binary 1 bytes, tactic search bounded to 16 shapes")
+    assert plain.detail.endswith("binary 1 bytes")
 
 
 def test_parse_rows_keeps_only_result_lines():

@@ -217,23 +217,27 @@ def compile_scope(stage: str) -> str:
 
 
 def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_graph_timeout: float = 7200.0,
-                 no_cache: bool = False) -> list[Check]:
+                 no_cache: bool = False, max_unique_shapes: int | None = None) -> list[Check]:
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
     `stage` (import: every op accepted, seconds a graph; compile: the binary, minutes a graph on 2
-    cores). `no_cache`: a real compile, not furiosa's cache."""
+    cores). `no_cache`: a real compile, not furiosa's cache; `max_unique_shapes`: a bounded tactic
+    search (rngd.compile_check)."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
     from rngd_pd.devices.rngd import compile_check
 
     checks = []
-    for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache):
+    for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache,
+                           max_unique_shapes=max_unique_shapes):
         secs = r.get("seconds") or {}
         total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
         refused = ", ".join(r.get("refused_ops") or [])
         detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
         if r.get("ok") and r.get("binary_bytes"):
             detail += f", binary {r['binary_bytes']} bytes"
+        if r.get("max_unique_shapes"):
+            detail += f", tactic search bounded to {r['max_unique_shapes']} shapes"
         sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
         name = f"{r.get('graph', 'graph')}_{r.get('part', 'graph')}@{stage}"
         checks.append(Check(name, str(r.get("shape", "")), bool(r.get("ok")),
@@ -265,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "down to the binary)")
     p.add_argument("--no-cache", action="store_true", help="--compile-only: bypass furiosa's compile cache")
     p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
+    p.add_argument("--max-unique-shapes", type=int, default=None,
+                   help="--compile-only: bound the compiler's tactic search (e.g. 16: a layer compiles "
+                        "several times faster; its tactics may run slower on a card)")
     p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
     p.add_argument("--past", default="",
                    help="--compile-only: past buckets of a prefill chunk after earlier chunks, e.g. 512,1024 "
@@ -293,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compile_only:
             print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage)}; "
                   f"shapes {shapes.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
-            checks = compile_only(args.device, shapes, args.stage, args.timeout, args.no_cache)
+            checks = compile_only(args.device, shapes, args.stage, args.timeout, args.no_cache,
+                                  args.max_unique_shapes)
         else:
             dev, ref = device_runtime(args.device, args.device_id, args.dtype)
             rtol = 1e-3 if args.dtype == "fp32" else 5e-2

@@ -356,15 +356,17 @@ def _conformance(*args, timeout=3000):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(6000)
 def test_rngd_compile_only_conformance():
     """What `make test` checks of the RNGD compiler (docs/devices-rngd.md, "In CI"): every graph the
     model repository's RNGD configs need (prefill/config.pbtxt, decode/configs/rngd.pbtxt: per shape
     a layer graph and a head graph, and prefill's layer after each past bucket) through furiosa's
-    decompositions and DFG import; and every kind of graph at small shapes through all 12 compiler
-    stages to the binary (no cache: a real compile): prefill T=32 (layer, head, and the layer after
-    a past of 32) and decode 1x512 (the first bucket, one row; layer and head). The binaries of the
-    configured shapes themselves take longer than CI has: docs/devices-rngd.md has them, measured."""
+    decompositions and DFG import; and the configured graphs through all 12 compiler stages to the
+    binary (no cache: a real compile), with the tactic search bounded to 16 shapes (the full search
+    of the prefill layer takes more than an hour on 2 cores): the prefill chunk (layer, head, the
+    layer after the first past bucket) and every decode bucket (layers, head). The layers after the
+    longer pasts (1024-4096: the same ops over a longer past, ~7 min each here) are in
+    docs/devices-rngd.md, compiled by the same command."""
     _rngd_ready_or_skip()
     from rngd_pd.devices import conformance
 
@@ -373,14 +375,15 @@ def test_rngd_compile_only_conformance():
     want = [(f"{s.kind}_{s.part}", s.shape) for s in graphs]
     rows = _conformance("--stage", "import", "--config-shapes")
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g}@import", w, "ok") for g, w in want]
-    b, n = 1, shapes.decode[0][1]
-    rows = _conformance("--stage", "compile", "--chunks", "32", "--past", "32", "--decode", f"{b}x{n}",
-                        "--no-cache", "--timeout", "1800")
-    assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("prefill_layer@compile", "T=32", "ok"), ("prefill_head@compile", "T=32", "ok"),
-        ("prefill_layer@compile", "T=32,L=32", "ok"),
-        ("decode_layer@compile", f"B={b},L={n}", "ok"), ("decode_head@compile", f"B={b}", "ok")]
-    assert all("binary" in " ".join(r) for r in rows)
+    (t,), p = shapes.prefill_chunks, shapes.prefill_past[0]
+    decode = ",".join(f"{b}x{n}" for b, n in shapes.decode)
+    rows = _conformance("--stage", "compile", "--chunks", str(t), "--past", str(p), "--decode", decode,
+                        "--no-cache", "--max-unique-shapes", "16", "--timeout", "2400", timeout=4800)
+    built = rngd_graphs.specs((t,), shapes.decode, (p,))
+    assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g.kind}_{g.part}@compile", g.shape, "ok")
+                                                  for g in built]
+    assert len(built) == len(graphs) - (len(shapes.prefill_past) - 1)
+    assert all("binary" in " ".join(r) and "bounded to 16 shapes" in " ".join(r) for r in rows)
     assert conformance.compile_scope("compile").startswith("the whole compiler")
 
 

@@ -7,6 +7,7 @@ Nothing here imports furiosa: the SDK lives in .venv-rngd (torch 2.10) and is re
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -49,7 +50,7 @@ def test_environment_without_its_stamp_counts_as_missing(tmp_path):
         rngd.require_rngd_python(env)
 
 
-def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path):
+def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path, monkeypatch):
     """--max-unique-shapes reaches rngd_graphs only when asked, and the check's detail says the
     search was bounded (a binary compiled so is a check, not the one to serve)."""
     env = _fake_env(tmp_path)
@@ -70,16 +71,10 @@ def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path
     assert "--max-unique-shapes" not in row["argv"] and "--no-cache" not in row["argv"]
     from rngd_pd.devices import conformance
 
-    old = os.environ.get(rngd.ENV_RNGD_VENV)
-    os.environ.update(env)
-    try:
-        (check,) = conformance.compile_only("rngd", shapes, "compile", max_unique_shapes=16)
-        (plain,) = conformance.compile_only("rngd", shapes, "compile")
-    finally:
-        for k in env:
-            os.environ.pop(k, None)
-        if old is not None:
-            os.environ[rngd.ENV_RNGD_VENV] = old
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    (check,) = conformance.compile_only("rngd", shapes, "compile", max_unique_shapes=16)
+    (plain,) = conformance.compile_only("rngd", shapes, "compile")
     assert check.ok and check.detail.endswith("binary 1 bytes, tactic search bounded to 16 shapes")
     assert plain.detail.endswith("binary 1 bytes")
 
@@ -375,11 +370,10 @@ def test_rngd_compile_only_conformance():
     want = [(f"{s.kind}_{s.part}", s.shape) for s in graphs]
     rows = _conformance("--stage", "import", "--config-shapes")
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g}@import", w, "ok") for g, w in want]
-    (t,), p = shapes.prefill_chunks, shapes.prefill_past[0]
-    decode = ",".join(f"{b}x{n}" for b, n in shapes.decode)
-    rows = _conformance("--stage", "compile", "--chunks", str(t), "--past", str(p), "--decode", decode,
-                        "--no-cache", "--max-unique-shapes", "16", "--timeout", "2400", timeout=4800)
-    built = rngd_graphs.specs((t,), shapes.decode, (p,))
+    first_past = dataclasses.replace(shapes, prefill_past=shapes.prefill_past[:1])
+    rows = _conformance("--stage", "compile", *rngd.graph_args(first_past), "--no-cache",
+                        "--max-unique-shapes", "16", "--timeout", "2400", timeout=4800)
+    built = rngd_graphs.specs(first_past.prefill_chunks, first_past.decode, first_past.prefill_past)
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g.kind}_{g.part}@compile", g.shape, "ok")
                                                   for g in built]
     assert len(built) == len(graphs) - (len(shapes.prefill_past) - 1)

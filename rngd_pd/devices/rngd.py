@@ -153,7 +153,7 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
     "import" (furiosa's decompositions and the DFG import, where unsupported ops are refused:
     seconds a graph), "lower" or "compile" (the whole compiler down to the binary: minutes a graph
     on a 2-core host, seconds from the furiosa cache). `max_unique_shapes` bounds the compiler's
-    tactic search (CompilerConfig.max_num_unique_shapes: 16 lowers a prefill layer ~6x faster, with
+    tactic search (CompilerConfig.max_num_unique_shapes: 16 compiles a prefill layer ~5x faster, with
     tactics that may run slower on a card): a check that every op and shape compiles, in CI's
     time, not the binary to serve. One row per graph; a refused or failed graph
     is a row with ok False, not an exception; a missing environment is DeviceUnavailableError

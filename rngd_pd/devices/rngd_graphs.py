@@ -468,7 +468,8 @@ def _row_base(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     """The fields every result row of one graph starts with (a failed one keeps them)."""
     return {"graph": spec.kind, "part": spec.part, "name": spec.name, "shape": spec.shape,
             "dtype": args.dtype, "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False,
-            "refused_ops": [], "max_unique_shapes": args.max_unique_shapes}
+            "refused_ops": [],  # the search bound acts after the import, where the tactics are searched
+            "max_unique_shapes": args.max_unique_shapes if args.stage != "import" else None}
 
 
 def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -817,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tactic-hint", help="a furiosa TacticHintConfig name, e.g. ForLlmModelIOBound")
     ap.add_argument("--max-unique-shapes", type=int,
                     help="CompilerConfig.max_num_unique_shapes: bounds the tactic search (16: a prefill "
-                         "layer compiles ~6x faster; its tactics may run slower on a card)")
+                         "layer compiles ~5x faster; its tactics may run slower on a card)")
     ap.add_argument("--max-rss-gb", type=float, default=12.0,
                     help="kill a compile whose resident memory passes this (0: no limit)")
     ap.add_argument("--toolchain", action="store_true",

@@ -31,14 +31,14 @@ test-fast: setup
 
 # FuriosaAI RNGD compiler environment (its own venv: furiosa-torch pins torch 2.10 and numpy 2, which
 # cannot share .venv). 3.5 GB of downloads and 7.3 GB on disk the first time, installed one package at a
-# time after a check that the disk has room (rngd_pd/devices/rngd_setup.py); idempotent through its stamp.
+# time after a check that the disk has room (rngd_pd/devices/rngd/setup.py); idempotent through its stamp.
 RNGD_VENV  := $(or $(RNGD_PD_RNGD_VENV),.venv-rngd)
 RNGD_STAMP := $(RNGD_VENV)/.installed
 
 rngd-env: $(RNGD_STAMP)
 
-$(RNGD_STAMP): pyproject.toml Makefile rngd_pd/devices/rngd_setup.py | setup
-	$(PY) -m rngd_pd.devices.rngd_setup --python $(PYTHON) $(RNGD_VENV)
+$(RNGD_STAMP): pyproject.toml Makefile rngd_pd/devices/rngd/setup.py | setup
+	$(PY) -m rngd_pd.devices.rngd.setup --python $(PYTHON) $(RNGD_VENV)
 	@echo '#include <assert.h>' | aarch64-linux-gnu-gcc -xc -E -o /dev/null - 2>/dev/null || \
 	  echo "rngd-env: NOTE the furiosa compiler builds C code with aarch64-linux-gnu-gcc; without it (and its libc headers) every compile fails with 'No such file or directory (os error 2)': make rngd-toolchain"
 
@@ -52,7 +52,7 @@ rngd-env-for-test: setup
 # (cheap), installed with apt-get when missing and root. Missing and not installable: the exact command,
 # and a failure in CI (CI=true); elsewhere `make test` goes on and the RNGD compile test skips, saying why.
 rngd-toolchain: setup
-	@$(PY) -m rngd_pd.devices.rngd_graphs --toolchain --install || { \
+	@$(PY) -m rngd_pd.devices.rngd.graphs --toolchain --install || { \
 	  if [ "$(CI)" = "true" ]; then exit 1; fi; \
 	  echo "rngd toolchain: CI is not set: make test goes on; the RNGD compile test will skip"; }
 

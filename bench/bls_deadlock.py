@@ -7,7 +7,7 @@ Each run starts a fresh tritonserver with two models (tests/assets): `echo` stre
 back, and `fan` opens `threads` x `loops` streams of `tokens` tokens to it from `threads` threads
 at once, while `spin` threads keep the GIL busy (they widen the race's window). `fan` reaches echo by
 decoupled BLS (`via bls`, what pd did) or through the server's own gRPC endpoint (`via grpc`, what
-pd does now, rngd_pd.triton.pd_model). A run stalls when `fan` has not answered after `limit`
+pd does now, rngd_pd.stubs.pd_model). A run stalls when `fan` has not answered after `limit`
 seconds; the stall's stacks are then read with gdb (when installed) and the three frames of the
 cycle counted: `ResponseIterator::Next` (woke holding its iterator's mutex, waits for the GIL),
 `EnqueueResponse` (holds the iterator map's mutex, waits for that iterator's) and
@@ -69,7 +69,7 @@ def cycle_frames(pid: int) -> dict[str, int]:
 
 
 def one_run(via: str, args: argparse.Namespace) -> dict:
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     with tempfile.TemporaryDirectory(prefix="rngd-pd-bls-") as tmp:
         repo = repository(Path(tmp) / "repo", via)
@@ -81,7 +81,7 @@ def one_run(via: str, args: argparse.Namespace) -> dict:
             wall = time.perf_counter() - t0
             frames: dict[str, int] = {}
             if done is None:
-                from rngd_pd.triton.supervisor import stub_processes
+                from rngd_pd.serve.supervisor import stub_processes
 
                 pids = [s.pid for s in stub_processes(server.proc.pid) if s.model == "fan"]
                 frames = cycle_frames(pids[0]) if pids else {}

@@ -38,7 +38,7 @@ DEPENDENCIES = {"pd": ["pd", "prefill", "decode"], "colocated": ["colocated"]}
 @contextlib.contextmanager
 def triton(model: str) -> Iterator[str]:
     """A tritonserver serving `model` (and what it calls); yields its gRPC url."""
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="rngd-pd-fe-bench-"))
     shm = tempfile.mkdtemp(
@@ -70,7 +70,7 @@ def frontend(triton_url: str, model: str) -> Iterator[tuple[str, int]]:
     """A `rngd-pd frontend` process; yields (base url, pid) once /health answers 200."""
     import httpx
 
-    from rngd_pd.triton.server import free_port
+    from rngd_pd.serve.server import free_port
 
     port = free_port()
     cmd = [

@@ -33,7 +33,7 @@ import numpy as np
 
 from rngd_pd.kv import load_transport
 from rngd_pd.kv.protocol import flush
-from rngd_pd.kv.wire import tune_socket
+from rngd_pd.kv.relay.frames import tune_socket
 
 LAYERS, KV_HEADS, HEAD_DIM, ELEM = 32, 8, 128, 2
 
@@ -145,7 +145,7 @@ def socket_gbps(nbytes: int, reps: int) -> float:
 
 def nixl_gbps(nbytes: int, blob: int, in_flight: int, reps: int) -> float | None:
     try:
-        from rngd_pd.kv import ucx
+        from rngd_pd.kv.nixl import agent as ucx
 
         return ucx.bare_read_gbps(nbytes, blob, in_flight=in_flight, repeats=reps)
     except Exception as e:  # NIXL missing or broken here: no limit row, said why
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         relay = None
         if ("tcp" in names or "nixl-ucx" in names) and not os.environ.get("AIRM_KV_TCP_ADDR"):
-            from rngd_pd.kv.relayproc import start_relay
+            from rngd_pd.kv.relay.proc import start_relay
 
             relay = stack.enter_context(start_relay("127.0.0.1", 0, "--max-mb", "8192")).addr
         for seq in seqs:
@@ -314,7 +314,7 @@ def _nixl_importable() -> bool:
     try:
         import nixl  # noqa: F401
 
-        from rngd_pd.kv import nixl_ucx  # noqa: F401
+        from rngd_pd.kv.nixl import ucx as nixl_ucx  # noqa: F401
     except Exception:
         return False
     return True

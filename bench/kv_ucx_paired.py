@@ -32,7 +32,7 @@ BLOBS = 2 * LAYERS
 
 
 def _pusher(conn, addr: str, pool_mb: int, blob: int) -> None:
-    from rngd_pd.kv.nixl_ucx import NixlUcxTransport
+    from rngd_pd.kv.nixl.ucx import NixlUcxTransport
 
     t = NixlUcxTransport(addr, pool_mb=pool_mb)
     src = np.random.default_rng(1).integers(0, 256, blob * BLOBS, np.uint8).reshape(BLOBS, blob)
@@ -50,7 +50,7 @@ def _pusher(conn, addr: str, pool_mb: int, blob: int) -> None:
 
 
 def _bare_round(t, descs: list[dict], staging: int, in_flight: int) -> float:
-    from rngd_pd.kv.ucx import wait_xfer
+    from rngd_pd.kv.nixl.agent import wait_xfer
 
     agent, ep = t.ep.agent, t.ep
     t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def _transport_round(t, conn, keys: list[str], outs: list[np.ndarray]) -> float:
 
 
 def _puller(report, pusher_conn, addr: str, pool_mb: int, blob: int, in_flight: int, pairs: int) -> None:
-    from rngd_pd.kv.nixl_ucx import NixlUcxTransport
+    from rngd_pd.kv.nixl.ucx import NixlUcxTransport
 
     t = NixlUcxTransport(addr, pool_mb=pool_mb)
     assert pusher_conn.recv() == "ready"
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     blob = KV_HEADS * args.seq * HEAD_DIM * ELEM
     pool_mb = max(256, 3 * args.in_flight * blob * BLOBS // (1 << 20))
-    from rngd_pd.kv.relayproc import start_relay
+    from rngd_pd.kv.relay.proc import start_relay
 
     ctx = mp.get_context("spawn")
     with start_relay("127.0.0.1", 0, "--max-mb", "1024") as relay:

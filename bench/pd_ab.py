@@ -100,7 +100,7 @@ def result(server: str, index: int, ids: Sequence[int], max_tokens: int, url: st
 def servers(configs: dict[str, dict[str, str]]) -> Iterator[dict[str, Any]]:
     """{name: ready TritonServer} (prefill, decode, pd; cpu config; shm), one per config (its extra
     environment), all stopped on exit. bench/profile_stubs.py uses it too."""
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     with contextlib.ExitStack() as stack:
         repo = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-ab-")))
@@ -129,7 +129,7 @@ def local_threshold(url: str) -> int:
 
 
 def p(values: Sequence[float], q: float) -> float:
-    from rngd_pd.triton.metrics import percentile
+    from rngd_pd.stubs.metrics import percentile
 
     return percentile(values, q)
 

@@ -111,8 +111,8 @@ def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[
 def served_share_cores() -> bool:
     """The served models' `share_cores`, parsed as they parse it ($RNGD_PD_PARAM_SHARE_CORES, else
     the parameter's default)."""
-    from rngd_pd.settings import parse_params
-    from rngd_pd.triton.params import ServingParams
+    from rngd_pd.config.params import ServingParams
+    from rngd_pd.config.settings import parse_params
 
     return parse_params(ServingParams, {}).share_cores
 
@@ -171,8 +171,8 @@ def model_copy(repo: Path, model: str, name: str, **params: str) -> None:
 
 def measure_transport(name: str, loaded: Any, ids: list[int], args: argparse.Namespace,
                       bare: dict[str, float]) -> list[dict[str, Any]]:
-    from rngd_pd.kv.relayproc import start_relay
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.kv.relay.proc import start_relay
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     with contextlib.ExitStack() as stack:
         env = {"AIRM_KV_TRANSPORT": name, "AIRM_KV_UCX_POOL_MB": "256", "UCX_MODULES": "^ib"}
@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also `pd_bls`: pd reaching decode by BLS (decode_via=bls), its former path")
     args = parser.parse_args(argv)
 
+    from rngd_pd.config.params import ENV_DTYPE
     from rngd_pd.devices.cpu_features import choose_compute_dtype
     from rngd_pd.model import load_model
-    from rngd_pd.triton.params import ENV_DTYPE
 
     # the bare engine computes in the dtype the served models use: $RNGD_PD_DTYPE, else auto resolved
     # the way the models resolve it (bf16 where this CPU has native bf16, else fp32)

@@ -10,7 +10,7 @@ a crashed Python stub. Rows: per round, wall time, streams that failed and the s
 summary with the failure rate and what the log shows.
 
 `--transport tcp` and `--transport nixl-ucx` start a KV relay for each run (`rngd-pd kv-relay` on a
-free loopback port, through rngd_pd.kv.relayproc) and pass its address as AIRM_KV_TCP_ADDR; the relay
+free loopback port, through rngd_pd.kv.relay.proc) and pass its address as AIRM_KV_TCP_ADDR; the relay
 is stopped with the run. `--runs N` repeats the whole thing N times, each with a fresh server (and
 relay), prints one summary line per run and a total, so "20 runs of 15 rounds" is one command. The
 log of a failed run is kept (`--log`, else a file in the temp directory, whose path is printed).
@@ -20,7 +20,7 @@ of up to 6 tokens itself, while the longer ones and every `llm` prompt are hande
 transport.
 
 Why a benchmark and not a test: the crash this guards against (Triton 2.51's Python backend freeing
-finished BLS streams without the GIL, see rngd_pd/triton/clients.py) was rare and load-dependent;
+finished BLS streams without the GIL, see rngd_pd/stubs/clients.py) was rare and load-dependent;
 a probabilistic check belongs where rates are measured. Measured figures are in the README.
 """
 
@@ -196,7 +196,7 @@ def dump_stubs(server_pid: int, timeout_s: float = 60.0) -> str:
     import shutil
     import subprocess
 
-    from rngd_pd.triton.supervisor import stub_processes
+    from rngd_pd.serve.supervisor import stub_processes
 
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
@@ -216,10 +216,10 @@ def dump_stubs(server_pid: int, timeout_s: float = 60.0) -> str:
 def _run(args: argparse.Namespace, run: int, prompts: list[str],
          ids: list[list[int]]) -> tuple[list[dict], str, str]:
     """(rows, server log text, error) of one run with a fresh relay and server, both stopped at its end."""
+    from rngd_pd.config.params import ENV_DECODE_URL, ENV_DECODE_VIA, ENV_PREFILL_URL
     from rngd_pd.errors import RngdPdError
-    from rngd_pd.kv.relayproc import start_relay
-    from rngd_pd.triton.params import ENV_DECODE_URL, ENV_DECODE_VIA, ENV_PREFILL_URL
-    from rngd_pd.triton.server import ServerConfig, TritonServer, free_port
+    from rngd_pd.kv.relay.proc import start_relay
+    from rngd_pd.serve.server import ServerConfig, TritonServer, free_port
 
     rows: list[dict] = []
     error = dumps = ""

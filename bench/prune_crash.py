@@ -5,7 +5,7 @@
 Two tritonservers, one after the other, serve two copies of the test echo model (decoupled,
 tests/assets/echo_model.py):
 `echo_raw` puts every output (`output_ids`, `finish_reason`) in each response, as the models did before;
-`echo` builds each response from the request's requested outputs (`rngd_pd.triton.pbutils`). Every
+`echo` builds each response from the request's requested outputs (`rngd_pd.stubs.pbutils`). Every
 client requests only `output_ids`, so for `echo_raw` Triton prunes `finish_reason` in C++ after releasing
 the GIL, freeing a numpy object array there (python_backend #390, fixed in r24.12). Each round runs
 `streams` concurrent streams against each model, each streamed from a Python thread of its own (the
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per model")
     args = p.parse_args(argv)
 
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     rows = []
     for model in args.models.split(","):  # a server each: the crash can take the whole server down

@@ -204,7 +204,7 @@ def blob_counter(transport: str, shm_root: str | None, relay: str | None) -> Cal
         return lambda: count_shm_blobs(shm_root)
     if transport in RELAY_TRANSPORTS and relay:
         def relay_blobs() -> int | None:
-            from rngd_pd.kv.tcp import RelayClient
+            from rngd_pd.kv.relay.tcp import RelayClient
 
             client = None
             try:
@@ -410,7 +410,7 @@ class Served:
 
 @contextlib.contextmanager
 def start_server(args: argparse.Namespace, env: dict[str, str], log: Path) -> Iterator[Served]:
-    from rngd_pd.triton.server import free_port
+    from rngd_pd.serve.server import free_port
 
     port = free_port("127.0.0.1")
     cmd = serve_command(args, port)
@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
                     env["PD_SHM_ROOT"] = shm_root
                 else:
                     from bench.pd_stress import TRANSPORT_DEFAULTS
-                    from rngd_pd.kv.relayproc import start_relay
+                    from rngd_pd.kv.relay.proc import start_relay
 
                     relay = stack.enter_context(start_relay()).addr
                     env["AIRM_KV_TCP_ADDR"] = relay

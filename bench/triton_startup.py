@@ -3,7 +3,7 @@
     .venv/bin/python bench/triton_startup.py [--repository model_repository] [--config-name cpu]
                                               [--runs 1] [--json]
 
-Starts the server exactly as `rngd-pd serve` does (rngd_pd.triton.server), waits for /v2/health/ready,
+Starts the server exactly as `rngd-pd serve` does (rngd_pd.serve.server), waits for /v2/health/ready,
 stops it, and reads "loading: NAME:1" / "successfully loaded 'NAME'" timestamps from the log.
 """
 
@@ -18,7 +18,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from rngd_pd.triton.server import ServerConfig, TritonServer
+from rngd_pd.serve.server import ServerConfig, TritonServer
 
 _STAMP = r"^I\d{4} (\d\d:\d\d:\d\d\.\d+)"
 _LOADING = re.compile(_STAMP + r".*\"loading: (\w+):\d+\"")

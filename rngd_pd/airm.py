@@ -41,9 +41,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from rngd_pd.config.params import ENV_KV_TRANSPORT, param_env
 from rngd_pd.errors import ConfigError
 from rngd_pd.kv.registry import known_names, load_transport, transport_class
-from rngd_pd.triton.params import ENV_KV_TRANSPORT, param_env
 
 __all__ = ["KINDS", "build_command", "known_names", "load_transport", "run"]
 

@@ -9,7 +9,7 @@ in that exception's traceback, which holds the frame, a cycle that only the cycl
 Triton stub that cycle held the failed request's Triton objects, and Triton then could not unload the
 model (shutdown waited out its exit timeout after a request decode refused). For the same reason a
 log call is given `str(exc)`, not the exception: a handler that keeps records would keep its frames.
-The sender also collects cycles when its instance goes idle (`rngd_pd.triton.sending`), for any
+The sender also collects cycles when its instance goes idle (`rngd_pd.stubs.sending`), for any
 cycle these rules miss.
 """
 

@@ -15,7 +15,7 @@ import pytest
 
 from rngd_pd import airm
 from rngd_pd.errors import ConfigError
-from rngd_pd.triton.server import free_port
+from rngd_pd.serve.server import free_port
 from tests.test_triton_serve import processes_mentioning, stop_and_reap
 from tests.test_triton_server import echo_repository
 from tests.triton_harness import require_tritonserver

@@ -49,10 +49,10 @@ def test_workload_matches_the_entry_point() -> None:
 
 
 def _registered_families() -> dict[str, str]:
-    """airm_* families the code registers (rngd_pd/triton/metrics.py), with their Prometheus type."""
-    source = (ROOT / "rngd_pd" / "triton" / "metrics.py").read_text()
+    """airm_* families the code registers (rngd_pd/stubs/metrics.py), with their Prometheus type."""
+    source = (ROOT / "rngd_pd" / "stubs" / "metrics.py").read_text()
     names = set(re.findall(r'"(airm_[a-z0-9_]+)"', source))
-    from rngd_pd.triton import metrics
+    from rngd_pd.stubs import metrics
 
     types = {**{n: "gauge" for n in metrics.GAUGES}, **{n: "histogram" for n in metrics.HISTOGRAMS}}
     assert names == set(types), "every airm_* name in metrics.py is a registered gauge or histogram"

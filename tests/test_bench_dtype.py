@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench import dtype_default as D
 from bench.pd_overhead import model_copy
-from rngd_pd.triton.tensors import load_config
+from rngd_pd.wire.tensors import load_config
 
 
 def params(config: Path) -> dict[str, str]:

@@ -9,9 +9,9 @@ LOAD = "_load (rngd_pd/engine/decode.py:380)"
 
 RAW = f"""\
 {DECODE};decode_step (rngd_pd/model/llama.py:300);_linear (rngd_pd/model/llama.py:88) 60
-_run (rngd_pd/triton/sending.py:108);send (rngd_pd/triton/pbutils.py:174) 10
-{LOAD};receive_into (rngd_pd/triton/kv_io.py:150);pull (rngd_pd/kv/shm.py:300) 20
-{LOAD};pull (rngd_pd/kv/shm.py:300);_wait_open (rngd_pd/kv/shm.py:204) 5
+_run (rngd_pd/stubs/sending.py:108);send (rngd_pd/stubs/pbutils.py:174) 10
+{LOAD};receive_into (rngd_pd/kv/handoff.py:150);pull (rngd_pd/kv/shm/transport.py:300) 20
+{LOAD};pull (rngd_pd/kv/shm/transport.py:300);_wait_open (rngd_pd/kv/shm/transport.py:204) 5
 _bootstrap (threading.py:1002);wait (threading.py:331);Condition.wait (threading.py:331) 4
 main (x.py:1) 1
 """

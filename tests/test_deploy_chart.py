@@ -444,11 +444,11 @@ def test_endpoint_picker_config(rendered: dict[str, str]) -> None:
 
 
 def test_epp_gauges_are_registered_by_the_server() -> None:
-    source = (ROOT / "rngd_pd" / "triton" / "metrics.py").read_text()
+    source = (ROOT / "rngd_pd" / "stubs" / "metrics.py").read_text()
     gauges = yaml.safe_load((tools.CHART / "values.yaml").read_text())["epp"]["gauges"]
     missing = [g for g in gauges.values() if g not in source]
     if missing:
-        pytest.skip(f"the server does not register {', '.join(missing)} yet (rngd_pd/triton/metrics.py)")
+        pytest.skip(f"the server does not register {', '.join(missing)} yet (rngd_pd/stubs/metrics.py)")
 
 
 # --- values: site values stay out, the schema and the template refuse bad input --------------------

@@ -45,7 +45,7 @@ def test_a_model_configured_for_a_missing_device_fails_to_load_naming_it(kind, m
     import torch
 
     import rngd_pd.model
-    from rngd_pd.triton.serving import PrefillParams, load_for
+    from rngd_pd.stubs.serving import PrefillParams, load_for
 
     if kind == "cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -251,7 +251,7 @@ def test_devices_lists_environments_and_which_configs_load(capsys) -> None:
 
 @pytest.mark.slow
 def test_rngd_compile_only_conformance_takes_every_graph_through_the_furiosa_compiler() -> None:
-    from rngd_pd.devices.rngd import rngd_python
+    from rngd_pd.devices.rngd.runtime import rngd_python
 
     if rngd_python() is None:
         pytest.skip("needs the FuriosaAI environment: run `make rngd-env`")

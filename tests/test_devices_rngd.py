@@ -2,7 +2,7 @@
 card, and (where `make rngd-env` was run) the furiosa compiler over the default graphs.
 
 Nothing here imports furiosa: the SDK lives in .venv-rngd (torch 2.10) and is reached only through
-`rngd_pd.devices.rngd_graphs` run as a subprocess there.
+`rngd_pd.devices.rngd.graphs` run as a subprocess there.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import time
 import pytest
 import torch
 
-from rngd_pd.devices import rngd, rngd_graphs, rngd_setup
 from rngd_pd.devices.base import Device
+from rngd_pd.devices.rngd import graphs as rngd_graphs
+from rngd_pd.devices.rngd import runtime as rngd
+from rngd_pd.devices.rngd import setup as rngd_setup
 from rngd_pd.devices.runtime import GraphShapes
 from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
 
@@ -126,7 +128,7 @@ def test_last_progress_names_the_compiler_stage():
 
 def test_compile_processes_die_with_their_caller():
     """A caller killed by its own timeout must not leave an hour-long compile behind."""
-    code = ("import subprocess, time\nfrom rngd_pd.devices.rngd_graphs import die_with_parent\n"
+    code = ("import subprocess, time\nfrom rngd_pd.devices.rngd.graphs import die_with_parent\n"
             "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent)\n"
             "print(p.pid, flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -432,7 +434,7 @@ class _Card:
 
 def test_smi_reads_each_field_on_its_own_and_names_what_failed():
     from rngd_pd.commands.devices import smi_lines
-    from rngd_pd.devices import rngd_smi
+    from rngd_pd.devices.rngd import smi as rngd_smi
 
     card = rngd_smi.describe(_Card())
     assert card["index"] == 3 and card["name"] == "npu3" and card["firmware"] == "1.2.3"

@@ -11,10 +11,10 @@ import types
 
 import pytest
 
+from rngd_pd.config import params
 from rngd_pd.devices import cpu_features, kernels
 from rngd_pd.devices.cpu_features import CpuFeatures, choose_compute_dtype, parse_cpuinfo
 from rngd_pd.errors import ConfigError
-from rngd_pd.triton import params
 
 X86_COMMON = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse "
               "sse2 ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology cpuid pni pclmulqdq "
@@ -173,7 +173,7 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
         BF16_TIMES if cpu.native_bf16 else AVX2_TIMES, False))
     import rngd_pd.model
     from rngd_pd.devices import runtime
-    from rngd_pd.triton.serving import PrefillParams, load_for
+    from rngd_pd.stubs.serving import PrefillParams, load_for
 
     loaded: list = []
     monkeypatch.setattr(rngd_pd.model, "load_model", lambda path, dtype, progress: loaded.append(dtype))

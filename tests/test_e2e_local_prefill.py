@@ -103,7 +103,7 @@ def test_a_decode_only_device_hands_everything_off(smollm) -> None:
     from rngd_pd.devices.torch_runtime import TorchRuntime
     from rngd_pd.kv import load_transport
     from rngd_pd.model.sampling import SamplingParams
-    from rngd_pd.triton.decode_model import DecodeService
+    from rngd_pd.stubs.decode_model import DecodeService
 
     class DecodeOnly(TorchRuntime):  # as rngd_pd.devices.atom answers a prefill
         def prefill(self, *args, **kwargs):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rngd_pd.kv.relayproc import start_relay
-from rngd_pd.triton.server import ServerConfig, TritonServer, free_port
+from rngd_pd.kv.relay.proc import start_relay
+from rngd_pd.serve.server import ServerConfig, TritonServer, free_port
 from tests import e2e_support as E
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 

@@ -162,7 +162,7 @@ def test_client_cancel_frees_the_decode_slot_and_the_kv(server, env) -> None:
     while _metric(server, "airm_decode_requests_in_flight") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _metric(server, "airm_decode_requests_in_flight") == 0
-    from rngd_pd.kv.shm import linked_bytes
+    from rngd_pd.kv.shm.transport import linked_bytes
 
     assert linked_bytes(env["PD_SHM_ROOT"]) == 0, "KV blobs left behind in shm"
     text = E.PROMPTS[0]
@@ -245,7 +245,7 @@ def test_16_concurrent_streams_all_complete_with_correct_tokens(server) -> None:
 
 def test_pd_reaches_decode_through_this_servers_own_grpc_endpoint(server) -> None:
     """decode_via=grpc, the default: the endpoint comes from tritonserver's command line (decoupled
-    BLS deadlocks Triton 2.51's stub under load, rngd_pd.triton.pd_model)."""
+    BLS deadlocks Triton 2.51's stub under load, rngd_pd.stubs.pd_model)."""
     log = server._log.read_text(errors="replace")
     assert f"pd reaches decode through this server's gRPC endpoint {server.grpc_url}" in log
 
@@ -302,7 +302,7 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
     """Regressions: a cancelled request kept pd busy for 30 s (its decode stream's last response never
     came back), finished BLS streams still held at pd's exit hung its unload, and an llm request that
     failed after pd had streamed a token stayed in flight; each outlived the server's exit timeout."""
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     log = tmp_path / "tritonserver.log"
     # 30 s: a hang outlives any exit timeout, but unloading six torch models on a loaded 2-core host
@@ -329,7 +329,7 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
 
 def _load_gauges(server) -> dict[str, float]:
     """The endpoint picker's gauges: typed gauge, exactly one unlabelled series each."""
-    from rngd_pd.triton import metrics
+    from rngd_pd.stubs import metrics
 
     with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
@@ -343,7 +343,7 @@ def _load_gauges(server) -> dict[str, float]:
 
 
 def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
-    from rngd_pd.triton import metrics
+    from rngd_pd.stubs import metrics
 
     ids = E.prompt_ids(E.PROMPTS[1])
     deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rngd_pd.triton.server import ServerConfig, TritonServer
+from rngd_pd.serve.server import ServerConfig, TritonServer
 from tests import e2e_support as E
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 

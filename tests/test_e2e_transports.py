@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rngd_pd.kv.relayproc import start_relay
+from rngd_pd.kv.relay.proc import start_relay
 from tests import e2e_support as E
 from tests.triton_harness import triton_server
 

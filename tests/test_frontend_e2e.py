@@ -182,7 +182,7 @@ def test_after_front_end_traffic_triton_unloads_every_model_promptly(served, tmp
     which widens the race; 24 requests here make a leak near certain)."""
     from pathlib import Path
 
-    from rngd_pd.triton.server import ServerConfig, TritonServer
+    from rngd_pd.serve.server import ServerConfig, TritonServer
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     shm_root = tempfile.mkdtemp(prefix="rngd-pd-fe-unload-", dir=base)

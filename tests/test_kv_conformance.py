@@ -37,7 +37,7 @@ def test_torch_bf16_layer_round_trip(name, tmp_path):
     import torch
 
     from rngd_pd.kv import load_transport
-    from rngd_pd.kv.relayproc import start_relay
+    from rngd_pd.kv.relay.proc import start_relay
 
     with contextlib.ExitStack() as stack:
         if name == "shm":

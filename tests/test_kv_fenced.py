@@ -9,7 +9,7 @@ import pytest
 
 from rngd_pd.errors import DeviceUnavailableError, TransportError, TransportTimeoutError
 from rngd_pd.kv.fenced import FencedTransport, is_copy_only
-from rngd_pd.kv.nixl_hetero import ROUTES, NixlBinding, NixlTransport, Tier, plan_route
+from rngd_pd.kv.nixl.hetero import ROUTES, NixlBinding, NixlTransport, Tier, plan_route
 
 
 class FakeCopy:

@@ -1,4 +1,4 @@
-"""Both ends of the KV hand-off (rngd_pd.triton.kv_io) over the real shm transport, without Triton."""
+"""Both ends of the KV hand-off (rngd_pd.kv.handoff) over the real shm transport, without Triton."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from rngd_pd import errors
 from rngd_pd.kv import load_transport
 from rngd_pd.kv.handle import KVSpec, handle_index
+from rngd_pd.kv.handoff import ENV_DEBUG_LOG, KVReceiver, KVSender
 from rngd_pd.model.cache import KVCache
 from rngd_pd.model.config import ModelConfig
-from rngd_pd.triton.kv_io import ENV_DEBUG_LOG, KVReceiver, KVSender
 
 SPEC = KVSpec("fp-test", num_layers=3, num_kv_heads=2, head_dim=4, dtype="bf16")
 CONFIG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=SPEC.num_layers,

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rngd_pd.kv.tcp import RelayClient
-from rngd_pd.kv.ucx import SlotAllocator, apply_ucx_env, backend_params
+from rngd_pd.kv.nixl.agent import SlotAllocator, apply_ucx_env, backend_params
+from rngd_pd.kv.relay.tcp import RelayClient
 
 MiB = 1 << 20
 CALL_TIMEOUT = 120.0
@@ -39,11 +39,11 @@ class _Ops:
         self.records: list[str] = []
         handler = logging.Handler()
         handler.emit = lambda rec: self.records.append(rec.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("rngd_pd.kv.nixl_ucx").addHandler(handler)
-        logging.getLogger("rngd_pd.kv.nixl_ucx").setLevel(logging.INFO)
+        logging.getLogger("rngd_pd.kv.nixl.ucx").addHandler(handler)
+        logging.getLogger("rngd_pd.kv.nixl.ucx").setLevel(logging.INFO)
 
     def open(self, name: str, **options: Any) -> None:
-        from rngd_pd.kv.nixl_ucx import NixlUcxTransport
+        from rngd_pd.kv.nixl.ucx import NixlUcxTransport
 
         self.transports[name] = NixlUcxTransport(**options)
 
@@ -153,8 +153,8 @@ def _wait_until(fn, timeout: float = 10.0, step: float = 0.05) -> Any:
 # ------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def ucx_info() -> dict:
-    """`python -m rngd_pd.kv.ucx --json` (a child process); skip the NIXL tests if UCX is unusable."""
-    proc = subprocess.run([sys.executable, "-m", "rngd_pd.kv.ucx", "--json"], capture_output=True,
+    """`python -m rngd_pd.kv.nixl.agent --json` (a child process); skip the NIXL tests if UCX is unusable."""
+    proc = subprocess.run([sys.executable, "-m", "rngd_pd.kv.nixl.agent", "--json"], capture_output=True,
                           text=True, timeout=120)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     info = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
@@ -165,7 +165,7 @@ def ucx_info() -> dict:
 
 @pytest.fixture(scope="module")
 def relay():
-    from rngd_pd.kv.relayproc import start_relay
+    from rngd_pd.kv.relay.proc import start_relay
 
     with start_relay() as r:
         yield r
@@ -220,8 +220,8 @@ def test_ucx_defaults_never_override_the_user(monkeypatch):
 
 def test_publisher_keeps_push_order_and_reports_a_failed_put():
     from rngd_pd.errors import TransportError
-    from rngd_pd.kv.relayproc import start_relay
-    from rngd_pd.kv.ucx_publish import Publisher
+    from rngd_pd.kv.nixl.publish import Publisher
+    from rngd_pd.kv.relay.proc import start_relay
 
     freed: list[str] = []
     with start_relay() as relay:
@@ -242,7 +242,7 @@ def test_publisher_keeps_push_order_and_reports_a_failed_put():
 
 def test_bad_settings_fail_before_any_nixl_agent_exists(monkeypatch):
     from rngd_pd.errors import TransportError
-    from rngd_pd.kv.nixl_ucx import NixlUcxTransport
+    from rngd_pd.kv.nixl.ucx import NixlUcxTransport
 
     monkeypatch.delenv("AIRM_KV_TCP_ADDR", raising=False)
     with pytest.raises(TransportError, match="AIRM_KV_TCP_ADDR"):
@@ -256,7 +256,7 @@ def test_bad_settings_fail_before_any_nixl_agent_exists(monkeypatch):
     monkeypatch.setenv("AIRM_KV_UCX_PROGRESS_US", "soon")
     with pytest.raises(TransportError, match=r"AIRM_KV_UCX_PROGRESS_US.*'soon'"):
         NixlUcxTransport("127.0.0.1:1")
-    from rngd_pd.kv import ucx_endpoint
+    from rngd_pd.kv.nixl import endpoint as ucx_endpoint
 
     assert ucx_endpoint.current() is None  # nothing above got as far as creating an agent
 
@@ -368,7 +368,7 @@ def test_full_arena_is_a_capacity_error_and_release_frees_it(peers, relay):
 
 @pytest.mark.nixl
 def test_unread_slots_expire(peers):
-    from rngd_pd.kv.relayproc import start_relay
+    from rngd_pd.kv.relay.proc import start_relay
 
     a, b = peers
     with start_relay("127.0.0.1", 0, "--ttl-s", "0.5") as short:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from rngd_pd import errors
+from rngd_pd.config import params
 from rngd_pd.kv.options import RelayOptions, ShmOptions, UcxOptions, crc_algorithm, options, parse_kv_options
-from rngd_pd.triton import params
 
 
 def test_config_then_environment_then_code(monkeypatch) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from rngd_pd.kv import registry
 from rngd_pd.kv.fenced import FencedTransport
-from rngd_pd.kv.shm import ShmTransport
+from rngd_pd.kv.shm.transport import ShmTransport
 
 
 @pytest.fixture(autouse=True)

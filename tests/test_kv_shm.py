@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from rngd_pd.errors import TransportCapacityError, TransportIntegrityError, TransportTimeoutError
-from rngd_pd.kv import shm, shmpool
-from rngd_pd.kv.shm import ShmTransport, linked_bytes, safe_name
+from rngd_pd.kv.shm import pool as shmpool
+from rngd_pd.kv.shm import transport as shm
+from rngd_pd.kv.shm.transport import ShmTransport, linked_bytes, safe_name
 
 
 @pytest.fixture
@@ -185,7 +186,7 @@ def test_ttl_sweep_removes_old_keys(root):
 
 
 def test_dead_writer_pool_is_swept_but_its_blobs_stay_readable(root):
-    code = (f"from rngd_pd.kv.shm import ShmTransport; t = ShmTransport(root={root!r}); "
+    code = (f"from rngd_pd.kv.shm.transport import ShmTransport; t = ShmTransport(root={root!r}); "
             "t.push('k', 0, b'survives'); import os; os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True)
     pools = os.listdir(os.path.join(root, "pool"))
@@ -281,7 +282,7 @@ def test_out_of_files_is_a_capacity_error_naming_ulimit(root):
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 from rngd_pd.errors import TransportCapacityError
-from rngd_pd.kv.shm import ShmTransport
+from rngd_pd.kv.shm.transport import ShmTransport
 t = ShmTransport(root={root!r})
 try:
     for i in range(200):
@@ -299,7 +300,7 @@ def test_the_soft_file_limit_is_raised_towards_the_hard_one():
     code = """
 import resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
-from rngd_pd.kv.shmpool import raise_fd_limit
+from rngd_pd.kv.shm.pool import raise_fd_limit
 print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -17,11 +17,11 @@ from rngd_pd.errors import (
     TransportIntegrityError,
     TransportTimeoutError,
 )
-from rngd_pd.kv import wire
 from rngd_pd.kv.options import RelayOptions, crc_algorithm, options
-from rngd_pd.kv.relay import config_from_env
-from rngd_pd.kv.relayproc import start_relay
-from rngd_pd.kv.tcp import RelayClient, TcpTransport, parse_addr
+from rngd_pd.kv.relay import frames as wire
+from rngd_pd.kv.relay.proc import start_relay
+from rngd_pd.kv.relay.server import config_from_env
+from rngd_pd.kv.relay.tcp import RelayClient, TcpTransport, parse_addr
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_pipelined_push_error_comes_by_a_later_push_or_flush():
 
 
 def test_a_client_that_never_flushes_keeps_a_bounded_number_of_connections(relay):
-    from rngd_pd.kv.tcp import PUSH_KEYS
+    from rngd_pd.kv.relay.tcp import PUSH_KEYS
 
     with TcpTransport(relay) as t:
         for k in range(PUSH_KEYS + 10):
@@ -152,7 +152,7 @@ def test_crc_settings(monkeypatch, relay):
 
 def test_log_size_and_sha256(monkeypatch, relay, caplog):
     monkeypatch.setenv("AIRM_KV_TCP_LOG", "1")
-    caplog.set_level(logging.INFO, logger="rngd_pd.kv.tcp")
+    caplog.set_level(logging.INFO, logger="rngd_pd.kv.relay.tcp")
     with RelayClient(relay) as c:
         c.put("logged", 0, b"hello")
         c.get("logged", 0, 1.0)
@@ -235,7 +235,7 @@ def test_relay_dies_with_the_process_that_started_it():
     import subprocess
     import sys
 
-    code = ("from rngd_pd.kv.relayproc import start_relay; r = start_relay(); "
+    code = ("from rngd_pd.kv.relay.proc import start_relay; r = start_relay(); "
             "print(r.proc.pid, flush=True); import os; os._exit(0)")
     pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, timeout=60).stdout)
@@ -278,7 +278,7 @@ def test_read_ahead_honours_the_callers_timeout(relay):
 
 
 def test_read_ahead_with_other_sizes_and_expiry(relay, monkeypatch):
-    import rngd_pd.kv.tcp as tcp
+    import rngd_pd.kv.relay.tcp as tcp
 
     monkeypatch.setattr(tcp, "AHEAD_WAIT_S", 0.2)
     with TcpTransport(relay) as push, TcpTransport(relay) as t:
@@ -302,7 +302,7 @@ def test_read_ahead_with_other_sizes_and_expiry(relay, monkeypatch):
 def test_relay_buffer_pool_follows_the_blob_size():
     """A pool full of 1 MiB buffers gives them up for 4 MiB ones (else every 4 MiB blob faults in
     fresh pages), and never holds more than its cap."""
-    from rngd_pd.kv.relay import RelayConfig, Store
+    from rngd_pd.kv.relay.server import RelayConfig, Store
 
     store = Store(RelayConfig(pool_bytes=8 << 20))
     small = [store.reserve(1 << 20) for _ in range(8)]

@@ -1,4 +1,4 @@
-"""The PD flow (rngd_pd.triton.orchestrator) driven without Triton, through a fake ModelClient.
+"""The PD flow (rngd_pd.engine.orchestrator) driven without Triton, through a fake ModelClient.
 
 The fake stands in for Triton's model calls only (the layer below the orchestrator); the real models
 are exercised by the e2e tests. Also: error types survive a hop, and streamed text is UTF-8 safe.
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from rngd_pd import errors
+from rngd_pd.engine.orchestrator import CONTEXT, Chunk, Orchestrator, RunStats
 from rngd_pd.model.sampling import SamplingParams
-from rngd_pd.triton import tensors as T
-from rngd_pd.triton.inputs import sampling_inputs, sampling_params
-from rngd_pd.triton.orchestrator import CONTEXT, Chunk, Orchestrator, RunStats
+from rngd_pd.wire import tensors as T
+from rngd_pd.wire.inputs import sampling_inputs, sampling_params
 
 
 class FakeModels:

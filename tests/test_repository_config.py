@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rngd_pd.triton import tensors as T
-from rngd_pd.triton.params import parse_params
-from rngd_pd.triton.serving import ColocatedParams, DecodeParams, PdParams, PrefillParams, TextParams
-from rngd_pd.triton.text_models import spec_for
+from rngd_pd.config.params import parse_params
+from rngd_pd.stubs.serving import ColocatedParams, DecodeParams, PdParams, PrefillParams, TextParams
+from rngd_pd.stubs.text_models import spec_for
+from rngd_pd.wire import tensors as T
 
 REPO = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = ("llm", "pd", "colocated", "preprocess", "prefill", "decode", "postprocess")
@@ -82,7 +82,7 @@ def test_model_py_is_a_thin_shim_to_an_importable_class(name: str) -> None:
 @pytest.mark.parametrize("device", ["rngd", "atom"])
 def test_a_missing_npu_fails_the_load_naming_it_and_the_cpu_config(device: str) -> None:
     from rngd_pd.errors import DeviceUnavailableError
-    from rngd_pd.triton.serving import load_for
+    from rngd_pd.stubs.serving import load_for
 
     with pytest.raises(DeviceUnavailableError, match="--model-config-name cpu"):
         load_for(PrefillParams(device=device), {"model_instance_name": "prefill_0_0"})

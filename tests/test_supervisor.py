@@ -21,7 +21,7 @@ import pytest
 from rngd_pd.frontend.api_errors import BackendUnavailable
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
-from rngd_pd.triton import supervisor as S
+from rngd_pd.serve import supervisor as S
 from tests.frontend_fakes import FakeBackend, serve_app
 
 STUB = "/cache/triton-backends/py3.11-x/python/triton_python_backend_stub"
@@ -420,7 +420,7 @@ def test_a_process_exits_when_its_parent_dies(hold: str) -> None:
     """children.exit_when_orphaned (every model's initialize): a stub whose tritonserver was killed
     exits instead of living on with the model in memory, also one whose GIL is held for good (a
     stub orphaned inside an IPC call to its server: no Python thread of it runs again)."""
-    child = ("import ctypes, time; from rngd_pd.children import exit_when_orphaned; "
+    child = ("import ctypes, time; from rngd_pd.host.children import exit_when_orphaned; "
              f"exit_when_orphaned(0.05); print('watching', flush=True); {hold}")
     code = (f"import subprocess, sys, os; c = subprocess.Popen([sys.executable, '-c', {child!r}], "
             "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); c.stdout.readline(); "
@@ -435,7 +435,7 @@ def test_a_process_exits_when_its_parent_dies(hold: str) -> None:
 
 def test_the_orphan_watcher_ends_with_the_process_it_watches() -> None:
     """A process that exits normally takes its watcher with it (nothing left polling, no pid reused)."""
-    child = ("import rngd_pd.children as c; c.exit_when_orphaned(0.05); "
+    child = ("import rngd_pd.host.children as c; c.exit_when_orphaned(0.05); "
              "print(c._orphan_watch.pid, flush=True)")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
     watcher = int(out.stdout.split()[0])

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 import pytest
 
-from rngd_pd.triton.clients import RetiredIterators
+from rngd_pd.stubs.clients import RetiredIterators
 
 
 class _Iterator:  # stands in for the stub's ResponseIterator: we only care when the last reference goes
@@ -109,7 +109,7 @@ def test_drop_settled_lets_go_only_of_those_retired_long_enough_ago() -> None:
     (["tritonserver", "--grpc-address=fd00::5", "--grpc-port=7"], "[fd00::5]:7"),
 ])
 def test_the_own_grpc_endpoint_is_read_from_tritonservers_command_line(argv: list[str], url: str) -> None:
-    from rngd_pd.triton.clients import local_grpc_url
+    from rngd_pd.stubs.clients import local_grpc_url
 
     assert local_grpc_url(argv)[0] == url
 
@@ -122,7 +122,7 @@ def test_the_own_grpc_endpoint_is_read_from_tritonservers_command_line(argv: lis
     ([], "not tritonserver"),
 ])
 def test_no_usable_grpc_endpoint_says_why(argv: list[str], why: str) -> None:
-    from rngd_pd.triton.clients import local_grpc_url
+    from rngd_pd.stubs.clients import local_grpc_url
 
     url, reason = local_grpc_url(argv)
     assert url is None and why in reason
@@ -132,7 +132,7 @@ def test_no_usable_grpc_endpoint_says_why(argv: list[str], why: str) -> None:
 
 
 def test_a_stream_request_carries_every_tensor_and_asks_for_the_final_response() -> None:
-    from rngd_pd.triton import grpc_wire as W
+    from rngd_pd.wire import grpc_codec as W
 
     inputs = {"request_key": np.array([b"k1", b"key two"], dtype=np.object_),
               "prompt_len": np.array([7], np.int32), "temperature": np.array([0.5], np.float32),
@@ -153,7 +153,7 @@ def test_a_stream_request_carries_every_tensor_and_asks_for_the_final_response()
 def test_a_response_becomes_arrays_of_its_own_and_says_whether_it_is_final() -> None:
     from tritonclient.grpc import service_pb2
 
-    from rngd_pd.triton import grpc_wire as W
+    from rngd_pd.wire import grpc_codec as W
 
     resp = service_pb2.ModelInferResponse(model_name="decode")
     ids = np.array([5, 6, 7], np.int32)
@@ -171,8 +171,8 @@ def test_a_response_becomes_arrays_of_its_own_and_says_whether_it_is_final() -> 
 
 def test_a_stream_to_an_endpoint_nobody_serves_fails_at_once_naming_it() -> None:
     from rngd_pd import errors
-    from rngd_pd.triton.clients import GrpcClient
-    from rngd_pd.triton.server import free_port
+    from rngd_pd.serve.server import free_port
+    from rngd_pd.stubs.clients import GrpcClient
 
     url = f"127.0.0.1:{free_port()}"
     client = GrpcClient(url)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rngd_pd.triton import metrics
+from rngd_pd.stubs import metrics
 
 
 class RecordingSink:

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from rngd_pd.config import params
 from rngd_pd.errors import ConfigError
-from rngd_pd.triton import params, pbutils, tensors
+from rngd_pd.stubs import pbutils
+from rngd_pd.wire import tensors
 from tests.triton_harness import config_pbtxt
 
 
@@ -129,7 +131,7 @@ def test_check_config_catches_drift(tmp_path) -> None:
     assert any("output 'output_ids' is INT64, not INT32" in p for p in problems)
     assert any("decoupled is False" in p for p in problems)
     assert any("input 'seed' is missing" in p for p in problems)
-    assert any("input 'sed' is not in rngd_pd.triton.tensors" in p for p in problems)
+    assert any("input 'sed' is not in rngd_pd.wire.tensors" in p for p in problems)
 
 
 def test_check_config_ensemble_maps(tmp_path) -> None:

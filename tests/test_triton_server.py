@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rngd_pd.triton import server as srv
+from rngd_pd.serve import server as srv
 from tests.assets.echo_model import SPEC
 from tests.triton_harness import config_pbtxt, triton_server, write_model
 

@@ -1,4 +1,4 @@
-"""The request pool (rngd_pd.workers): what it holds once a request has run."""
+"""The request pool (rngd_pd.engine.workers): what it holds once a request has run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 import time
 import weakref
 
-from rngd_pd.workers import RequestPool
+from rngd_pd.engine.workers import RequestPool
 
 
 class _Request:

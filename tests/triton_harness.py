@@ -7,7 +7,7 @@
 
     llm_server = server_fixture(REPO, config_name="cpu", scope="module")   # in a test module
 
-It is `rngd_pd.triton.server.TritonServer` (the same launcher `rngd-pd serve` uses) with the log
+It is `rngd_pd.serve.server.TritonServer` (the same launcher `rngd-pd serve` uses) with the log
 written to a file whose tail is attached to any start failure. The server runs in its own process
 group and is stopped (SIGTERM, then SIGKILL) with every Python stub it started.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from rngd_pd.triton.server import ServerConfig, TritonServer, TritonServerError, find_tritonserver
-from rngd_pd.triton.tensors import ModelSpec, TensorSpec
+from rngd_pd.serve.server import ServerConfig, TritonServer, TritonServerError, find_tritonserver
+from rngd_pd.wire.tensors import ModelSpec, TensorSpec
 
 READY_TIMEOUT_S = float(os.environ.get("RNGD_PD_TEST_READY_TIMEOUT", "180"))
 

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from rngd_pd.config.params import ENV_DTYPE
 from rngd_pd.devices.cpu_features import (
     AUTO,
     CpuFeatures,
@@ -19,8 +20,7 @@ from rngd_pd.devices.cpu_features import (
     choose_compute_dtype,
     read_cpu_features,
 )
-from rngd_pd.devices.rngd import smi_snapshot
-from rngd_pd.triton.params import ENV_DTYPE
+from rngd_pd.devices.rngd.runtime import smi_snapshot
 
 HELP = "list usable devices (cpu, cuda, rngd, atom), the model config and compute dtype serve would choose"
 

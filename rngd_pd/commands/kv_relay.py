@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.kv.relay import RelayServer, config_from_env
+    from rngd_pd.kv.relay.server import RelayServer, config_from_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config_from_env(

@@ -5,7 +5,7 @@ variant from the devices present (`--config-name` overrides; the choice and the 
 passes model path / KV transport / KV dtype to the models as environment overrides, binds to
 127.0.0.1 by default, waits until the models are ready, prints the endpoints, and on Ctrl-C or
 SIGTERM stops everything it started (each child runs in its own process group, stubs included).
-While it runs it supervises tritonserver (rngd_pd.triton.supervisor): a model stub that died, or
+While it runs it supervises tritonserver (rngd_pd.serve.supervisor): a model stub that died, or
 tritonserver exiting, turns the status file to `recovering` (the front end answers 503) and restarts
 tritonserver with the same command, a bounded number of times.
 """
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from rngd_pd.triton import params
+from rngd_pd.config import params
 
 HELP = "serve the model repository with tritonserver (and the OpenAI front end)"
 
@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment overrides the models read through rngd_pd.triton.params."""
+    """The environment overrides the models read through rngd_pd.config.params."""
     env: dict[str, str] = {}
     pairs = ((params.ENV_MODEL, args.model), (params.ENV_KV_TRANSPORT, args.kv_transport),
              (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_DTYPE, args.dtype),
@@ -169,7 +169,7 @@ def _start_frontend(args: argparse.Namespace, grpc_url: str,
         print("serve: rngd_pd.commands.frontend is not available; no OpenAI front end", flush=True)
         return None
     if args.openai_port == 0:
-        from rngd_pd.triton.server import free_port
+        from rngd_pd.serve.server import free_port
 
         args.openai_port = free_port(args.host)
     return subprocess.Popen(_frontend_argv(args, grpc_url, status), start_new_session=True,
@@ -205,7 +205,7 @@ def _supervise(supervisor, frontend: subprocess.Popen | None, stop: threading.Ev
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.triton.server import SHOWN_ENV, ServerConfig, TritonServer, TritonServerError, shell_command
+    from rngd_pd.serve.server import SHOWN_ENV, ServerConfig, TritonServer, TritonServerError, shell_command
 
     repository = (args.repository or default_repository()).resolve()
     problem = validate(args, repository)
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in models)) if models else ()
     cfg = ServerConfig(repository, config_name, args.host, args.http_port, args.grpc_port, args.metrics_port,
                        env=model_env(args), log_verbose=args.log_verbose, extra_args=extra)
-    from rngd_pd.triton.supervisor import StubWatch
+    from rngd_pd.serve.supervisor import StubWatch
 
     watch = StubWatch()
     try:
@@ -242,8 +242,8 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
     import shutil
     import tempfile
 
-    from rngd_pd.triton.server import TritonServerError, stop_process_group
-    from rngd_pd.triton.supervisor import (
+    from rngd_pd.serve.server import TritonServerError, stop_process_group
+    from rngd_pd.serve.supervisor import (
         ENV_RESTARTS,
         FAILED,
         STARTING,

@@ -225,7 +225,7 @@ def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_grap
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
-    from rngd_pd.devices.rngd import compile_check
+    from rngd_pd.devices.rngd.runtime import compile_check
 
     checks = []
     for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache,
@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
                          args.dtype, args.kv_dtype, tuple(int(n) for n in args.past.split(",") if n))
     if args.config_shapes:
-        from rngd_pd.devices.rngd import configured_shapes
+        from rngd_pd.devices.rngd.runtime import configured_shapes
 
         shapes = dataclasses.replace(configured_shapes(), dtype=args.dtype, kv_dtype=args.kv_dtype)
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)

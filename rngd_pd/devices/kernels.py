@@ -75,7 +75,7 @@ class PhaseTimes:
 
 
 def cache_path(env: Mapping[str, str] | None = None) -> Path:
-    from rngd_pd.settings import cache_root
+    from rngd_pd.config.settings import cache_root
 
     return cache_root(env) / CACHE_FILE
 

@@ -1,7 +1,7 @@
 """Vendor NPU adapters: FuriosaAI RNGD and Rebellions ATOM.
 
 ATOM's SDK is imported only here, lazily, with an install hint; RNGD's lives in `.venv-rngd`
-(rngd_pd/devices/rngd.py says why) and is looked for there. No SDK or card exists on development
+(rngd_pd/devices/rngd/runtime.py says why) and is looked for there. No SDK or card exists on development
 machines; the adapters are written against the vendors' public packages and verified where the
 hardware is. What they do here: check the SDK, find the cards, resolve the allocated one.
 """
@@ -42,9 +42,9 @@ NPUS: dict[str, NpuKind] = {RNGD.kind: RNGD, ATOM.kind: ATOM}
 
 def sdk_missing(npu: NpuKind, env: Mapping[str, str] | None = None) -> str | None:
     """Why the SDK cannot be used, or None when it can. RNGD's lives in its own environment
-    (furiosa-torch pins torch 2.10 and numpy 2: rngd_pd/devices/rngd.py); ATOM's is imported here."""
+    (furiosa-torch pins torch 2.10 and numpy 2: rngd_pd/devices/rngd/runtime.py); ATOM's is imported here."""
     if npu is RNGD:
-        from rngd_pd.devices.rngd import rngd_env, rngd_python
+        from rngd_pd.devices.rngd.runtime import rngd_env, rngd_python
 
         if rngd_python(env) is None:
             return f"the FuriosaAI RNGD SDK environment {rngd_env(env)} is missing or incomplete"

@@ -162,7 +162,7 @@ def runtime_for(device: Device, loaded: Any) -> DeviceRuntime:
 
         return TorchRuntime(device, loaded)
     if device.kind == "rngd":
-        from rngd_pd.devices.rngd import RngdRuntime
+        from rngd_pd.devices.rngd.runtime import RngdRuntime
 
         return RngdRuntime(device, loaded)
     if device.kind == "atom":

@@ -31,9 +31,9 @@ from rngd_pd.engine.request import (
     TokenEvent,
     check_request,
 )
+from rngd_pd.engine.workers import RequestPool
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
 from rngd_pd.model.sampling import FinishReason, Sampler
-from rngd_pd.workers import RequestPool
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ empty final response can be requested and no per-token helper objects are made).
 generator before the final response (client gone, stop string matched) cancels the gRPC call, which
 Triton turns into a cancelled request that the decode engine drops from its slot.
 
-After the final response the call is never cancelled nor dropped (`rngd_pd.triton.grpc_wire.finish`:
+After the final response the call is never cancelled nor dropped (`rngd_pd.wire.grpc_codec.finish`:
 Triton 2.51 would otherwise keep the request's state and the model for good).
 """
 
@@ -25,8 +25,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
 from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams
-from rngd_pd.triton import grpc_wire
-from rngd_pd.triton.grpc_wire import NP_DTYPES as _NP
+from rngd_pd.wire import grpc_codec as grpc_wire
+from rngd_pd.wire.grpc_codec import NP_DTYPES as _NP
 
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 META_TIMEOUT_S = 5.0
@@ -246,7 +246,7 @@ def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> servic
         values["ignore_eos"] = [True]
     out = service_pb2.ModelInferRequest(model_name=model, id=req.request_id)
     out.parameters["triton_enable_empty_final_response"].bool_param = True
-    if req.prefill_at:  # pd prefills this request there (rngd_pd.triton.pd_model)
+    if req.prefill_at:  # pd prefills this request there (rngd_pd.stubs.pd_model)
         out.parameters[PREFILLER_HEADER].string_param = req.prefill_at
     for name, value in values.items():
         dtype = info.inputs.get(name)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rngd_pd.config.settings import param, parse_params
 from rngd_pd.errors import ConfigError, TransportConfigError
-from rngd_pd.settings import param, parse_params
 
 Opts = TypeVar("Opts")
 

@@ -21,7 +21,7 @@ GROUP = "airm.kv_transports"
 ENV_NAME = "AIRM_KV_TRANSPORT"
 DEFAULT = "shm"
 # Found without any installed metadata (only the source tree on the path).
-BUILTIN: dict[str, str] = {"shm": "rngd_pd.kv.shm:ShmTransport"}
+BUILTIN: dict[str, str] = {"shm": "rngd_pd.kv.shm.transport:ShmTransport"}
 
 _lock = threading.Lock()
 _cache: dict[str, Callable[..., Any]] = {}

@@ -12,9 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from rngd_pd.config import params
 from rngd_pd.errors import ConfigError
-from rngd_pd.triton import metrics, params, pbutils
-from rngd_pd.triton.tensors import TOKEN_OUTPUTS, ModelSpec, TensorSpec
+from rngd_pd.stubs import metrics, pbutils
+from rngd_pd.wire.tensors import TOKEN_OUTPUTS, ModelSpec, TensorSpec
 
 SPEC = ModelSpec("echo", (TensorSpec("input_ids", "INT32", (-1,)),), TOKEN_OUTPUTS, decoupled=True)
 

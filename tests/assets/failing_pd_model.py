@@ -12,8 +12,8 @@ import threading
 
 from rngd_pd import errors
 from rngd_pd.model.params import FinishReason
-from rngd_pd.triton import pbutils
-from rngd_pd.triton import tensors as T
+from rngd_pd.stubs import pbutils
+from rngd_pd.wire import tensors as T
 
 TOKENS = 2
 

@@ -1,5 +1,5 @@
 """A decoupled model that fans one request out into many concurrent streams to `echo`, the load under
-which Triton 2.51's stub deadlocks on decoupled BLS (rngd_pd.triton.pd_model's docstring).
+which Triton 2.51's stub deadlocks on decoupled BLS (rngd_pd.stubs.pd_model's docstring).
 
 Inputs `threads`, `loops`, `tokens`, `spin`: `threads` threads each open `loops` streams of `tokens`
 tokens one after another, through `via` (parameter: bls, or grpc to this server's own endpoint, as pd
@@ -13,9 +13,9 @@ import threading
 
 import numpy as np
 
-from rngd_pd.triton import pbutils
-from rngd_pd.triton.clients import BlsClient, GrpcClient, local_grpc_url
-from rngd_pd.triton.tensors import ModelSpec, TensorSpec
+from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.clients import BlsClient, GrpcClient, local_grpc_url
+from rngd_pd.wire.tensors import ModelSpec, TensorSpec
 
 SPEC = ModelSpec("fan", (TensorSpec("threads", "INT32", (1,)), TensorSpec("loops", "INT32", (1,)),
                          TensorSpec("tokens", "INT32", (1,)), TensorSpec("spin", "INT32", (1,))),

@@ -1,7 +1,7 @@
-"""Triton entry point of `pd`: the logic is in rngd_pd.triton.pd_model.PdModel."""
+"""Triton entry point of `pd`: the logic is in rngd_pd.stubs.pd_model.PdModel."""
 
 from __future__ import annotations
 
-from rngd_pd.triton.pd_model import PdModel as TritonPythonModel
+from rngd_pd.stubs.pd_model import PdModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -1,7 +1,7 @@
-"""Triton entry point of `postprocess`: the logic is in rngd_pd.triton.text_models.PostprocessModel."""
+"""Triton entry point of `postprocess`: the logic is in rngd_pd.stubs.text_models.PostprocessModel."""
 
 from __future__ import annotations
 
-from rngd_pd.triton.text_models import PostprocessModel as TritonPythonModel
+from rngd_pd.stubs.text_models import PostprocessModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

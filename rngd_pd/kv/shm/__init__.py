@@ -1,0 +1,1 @@
+"""The `shm` transport: same-host hand-off through pre-faulted slot files in /dev/shm."""

@@ -1,0 +1,1 @@
+"""Launching and supervising tritonserver (`rngd-pd serve`); never imported inside a stub."""

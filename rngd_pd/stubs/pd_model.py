@@ -1,0 +1,217 @@
+"""The `pd` model (BLS orchestrator, decoupled) and the `colocated` model (same interface, no transfer).
+
+Both run each request on a fixed pool of workers (`execute` only admits it) and send `Chunk`s as
+responses through the instance's one sender thread (`rngd_pd.stubs.sending`):
+`output_ids`, `finish_reason` (empty until the last) and `context_ids` for the stateless postprocess.
+`pd` reaches prefill by BLS and decode through this tritonserver's own gRPC endpoint (`decode_via`),
+or either by gRPC to another server when `prefill_url` / `decode_url` are set; `colocated` runs
+prefill and decode in one instance (ColocatedEngine), the baseline the benches compare pd with.
+
+Why decode is not reached by BLS here: Triton 2.51's stub deadlocks under concurrent decoupled BLS
+streams. A thread iterating a BLS stream wakes holding its iterator's mutex and waits for the GIL;
+the stub's thread that delivers BLS responses holds the iterator map's mutex and waits for that
+iterator's; a thread starting a new BLS stream (`exec(decoupled=True)`) holds the GIL and waits for
+the map's mutex (`ResponseIterator::Next`, `ProcessBLSResponseDecoupled`, `GetResponseIterator` in
+python_backend). It stalled `pd` in a 16-client soak; `bench/bls_deadlock.py` reproduces it with two
+small models, and shows the gRPC path under the same load. Prefill's BLS call returns one response
+and makes no iterator, so it stays BLS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rngd_pd import errors
+from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, RunStats, context_len
+from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
+from rngd_pd.model.sampling import FinishReason, SamplingParams
+from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.sending import Stream
+from rngd_pd.stubs.serving import getter
+from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
+from rngd_pd.wire import inputs
+from rngd_pd.wire import tensors as T
+
+
+class _GenerationModel:
+    """The shared decoupled skeleton: `execute` only admits requests; a fixed pool of workers runs
+    them, and one sender thread per instance sends every response and reads the cancel flags."""
+
+    name = "generation"
+
+    def _init_serving(self, args: dict, max_inflight: int, max_queue: int,
+                      fence: Callable[[Callable[[], None]], Any] | None = None,
+                      idle: Callable[[], Any] | None = None,
+                      health: Callable[[], BaseException | None] | None = None) -> None:
+        from rngd_pd.engine.workers import RequestPool
+        from rngd_pd.stubs.metrics import triton_metrics
+        from rngd_pd.stubs.sending import ResponseLoop
+
+        self.name = args.get("model_name", self.name)
+        self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")
+        self.metrics = triton_metrics(self.name)
+        self.responses = ResponseLoop(self.name, fence=fence, idle=idle, health=health)
+        self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
+        self.load_gauges: Any = None  # pd's, on a gateway (metrics.load_gauges)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            stream = self.responses.open(request, self.spec)
+            if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
+                stream.in_band = _in_band_error
+            try:
+                self.pool.submit(self._work, request, stream)
+            except Exception as exc:
+                stream.fail(exc)
+
+    def _work(self, request: Any, stream: Stream) -> None:
+        try:
+            get = getter(request)
+            ids = inputs.token_ids(get)
+            params = inputs.sampling_params(get)
+            want_stream = bool(pbutils.input_scalar(request, T.STREAM, False))
+            prefill_at = pbutils.request_parameter(request, PREFILLER_HEADER)
+            prefill_at = prefiller_address(prefill_at) if prefill_at else None
+            stop = list(params.stop)
+
+            def emit(chunk: Chunk) -> None:
+                stream.send({T.OUTPUT_IDS: chunk.token_ids, T.FINISH_REASON: chunk.finish_reason,
+                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop, T.ERROR: ""}, final=chunk.final)
+
+            stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set, prefill_at)
+        except BaseException as exc:  # every request ends with exactly one final response
+            if not isinstance(exc, errors.RngdPdError | ValueError):
+                pbutils.log(f"{self.name}: unexpected {exc!r}", "error")
+            stream.fail(exc)
+            return
+        self.metrics.record_request(stats.first_token_at - stats.start, stats.tokens, stats.end - stats.start)
+        if self.name == "pd":
+            self.metrics.record_prefill_path(stats.local_prefill)
+
+    def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
+        """One request; `prefill_at` is the prefill server llm-d's endpoint picker chose (pd only)."""
+        raise NotImplementedError
+
+    def load(self) -> Any:
+        """The endpoint picker's view of this model: queued and running requests (the KV is on
+        the decode servers)."""
+        from rngd_pd.stubs.metrics import Load
+
+        n = self.pool.in_flight()
+        return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
+
+    def finalize(self) -> None:
+        if self.load_gauges is not None:
+            self.load_gauges.close()
+        self.responses.close()
+        self.pool.close()
+        self.metrics.close()
+
+
+def _in_band_error(exc: BaseException) -> dict[str, Any]:
+    """A failed request's final outputs for postprocess, which answers the error (tensors.ERROR)."""
+    return {T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.ERROR, CONTEXT_IDS: [], T.STOP: [],
+            T.ERROR: errors.to_wire(exc)}
+
+
+class PdModel(_GenerationModel):
+    """`pd`: one request = prefill + decode, by BLS here or gRPC to other servers."""
+
+    name = "pd"
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.engine.orchestrator import Orchestrator
+        from rngd_pd.serve.supervisor import SiblingWatch
+        from rngd_pd.stubs.clients import RETIRED, BlsClient, GrpcClient
+        from rngd_pd.stubs.serving import PdParams, model_params
+
+        p = model_params(PdParams, args)
+        prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
+        decode = GrpcClient(p.decode_url) if p.decode_url else _local_decode_client(p.decode_via)
+        # every cancel pass of the sender doubles as the fence that lets finished BLS streams go; the
+        # stubs of the models reached by BLS are watched, so a dead one fails its waiting requests
+        reached = ((p.prefill_model, p.prefill_url), (p.decode_model, p.decode_url))
+        local = tuple(model for model, url in reached if not url)
+        watch = SiblingWatch(local).check if local else None
+        self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled,
+                           health=watch)
+        self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
+                                         decode_model=p.decode_model, max_streams=p.max_inflight,
+                                         local_prefill_tokens=p.local_prefill_tokens,
+                                         local_prefill_when=p.local_prefill_when)
+        from rngd_pd.stubs.metrics import load_gauges
+
+        self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
+
+    def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
+        return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
+
+    def finalize(self) -> None:
+        from rngd_pd.stubs.clients import RETIRED
+
+        super().finalize()
+        self.orchestrator.close()
+        RETIRED.drain()
+
+
+def _local_decode_client(via: str) -> Any:
+    """The client for a decode in this server: its own gRPC endpoint (module docstring), or BLS when
+    asked for or when this server serves no plain gRPC (said in the log, with the fix)."""
+    from rngd_pd.stubs.clients import BlsClient, GrpcClient, local_grpc_url
+
+    if via == "bls":
+        pbutils.log("pd reaches decode by BLS (decode_via=bls), which can deadlock under concurrent "
+                    "load in Triton 2.51 (docs/serving.md)", "warn")
+        return BlsClient()
+    url, why = local_grpc_url()
+    if url is None:
+        pbutils.log(f"pd reaches decode by BLS: {why}, so its own gRPC endpoint cannot be used; BLS can "
+                    "deadlock under concurrent load in Triton 2.51: serve with plain gRPC enabled, or "
+                    "set decode_url (docs/serving.md)", "warn")
+        return BlsClient()
+    pbutils.log(f"pd reaches decode through this server's gRPC endpoint {url} ({why})")
+    return GrpcClient(url)
+
+
+class ColocatedModel(_GenerationModel):
+    """`colocated`: prefill and decode in this instance; the KV never leaves the process."""
+
+    name = "colocated"
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.engine.colocated import ColocatedEngine
+        from rngd_pd.stubs.serving import ColocatedParams, load_for, model_params
+
+        p = model_params(ColocatedParams, args)
+        self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, p.kv_dtype,
+                                      p.chunk_size or None, **p.prefix_kwargs())
+        self._init_serving(args, p.max_inflight, p.max_queue)
+
+    def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
+             cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
+        import time
+
+        from rngd_pd.wire.inputs import new_key
+
+        stats = RunStats(new_key(), time.monotonic())
+        out = ChunkEmitter(stream, emit, context_len(params.stop))
+        events = self.engine.stream(ids, params, key=stats.key)
+        try:
+            for ev in events:
+                if cancelled():
+                    raise errors.RequestCancelled("the client cancelled the request", key=stats.key)
+                if not stats.first_token_at:
+                    stats.first_token_at = time.monotonic()
+                out.add([] if ev.token_id is None else [ev.token_id], ev.finish_reason or "")
+                stats.finish_reason = ev.finish_reason or stats.finish_reason
+        finally:
+            events.close()  # cancels the engine request when we stop early
+        stats.end, stats.tokens = time.monotonic(), len(out.ids)
+        return stats
+
+    def finalize(self) -> None:
+        super().finalize()
+        self.engine.close()

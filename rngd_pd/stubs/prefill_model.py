@@ -1,0 +1,110 @@
+"""The `prefill` model: token ids + request key -> first token; each layer's KV is pushed through the
+transport as soon as it is computed (`KVSender` as the engine's on_layer hook), the handle last.
+
+`PrefillService` is the logic (a test drives it without Triton); `PrefillModel` adapts it for Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from rngd_pd import errors
+from rngd_pd.kv.handle import KVHandle, KVSpec
+from rngd_pd.kv.handoff import KVSender
+from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.serving import getter
+from rngd_pd.wire import inputs
+from rngd_pd.wire import tensors as T
+
+
+class PrefillService:
+    """One prefill engine + one transport; `prefill` is called by one thread at a time per instance."""
+
+    def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
+                 max_len: int | None = None, prefix_cache_bytes: int = 0, prefix_block: int = 32) -> None:
+        """loaded: a DeviceRuntime (serving.load_for), or a LoadedModel to run on the CPU."""
+        from rngd_pd.devices.runtime import as_runtime
+        from rngd_pd.engine.prefill import PrefillEngine
+
+        self.runtime = as_runtime(loaded)
+        self.loaded, self.transport, self.kv_dtype = self.runtime.loaded, transport, kv_dtype
+        self.engine = PrefillEngine(self.runtime, kv_dtype, chunk_size or None, max_context=max_len,
+                                    prefix_cache_bytes=prefix_cache_bytes, prefix_block=prefix_block)
+        loaded, c = self.loaded, self.loaded.config
+        self.spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+
+    def prefill(self, key: str, token_ids: Sequence[int], params: SamplingParams
+                ) -> tuple[KVHandle, float, int]:
+        """Prefill, push every blob and the handle; returns (handle, seconds spent pushing, prompt
+        tokens reused from the prefix cache)."""
+        self.engine.validate(key, token_ids, params)  # reject before anything is pushed
+        sender = KVSender(self.transport, key, self.spec, self.runtime.to_host)
+        result = self.engine.prefill(key, token_ids, params, on_layer=sender.on_layer)
+        return sender.finish(result.first_token, result.num_tokens), sender.push_s, result.cached_tokens
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class PrefillModel:
+    """Triton adapter: one response per request (not decoupled)."""
+
+    def initialize(self, args: dict) -> None:
+        from rngd_pd.stubs.metrics import load_gauges, triton_metrics
+        from rngd_pd.stubs.serving import PrefillParams, load_for, model_params
+
+        p = model_params(PrefillParams, args)
+        self.transport_name = p.kv_transport
+        self.service = PrefillService(load_for(p, args, "prefill"), p.transport(), p.kv_dtype,
+                                      p.chunk_size, p.max_len, **p.prefix_kwargs())
+        self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
+        self.metrics = triton_metrics(args.get("model_name", "prefill"))
+        self._waiting = self._running = 0
+        self.load_gauges = load_gauges("prefill", self.load, self.metrics.sink)
+
+    def load(self) -> Any:
+        """The endpoint picker's view: requests of this batch not started yet, the one running (a
+        prefill holds no KV once it is handed over)."""
+        from rngd_pd.stubs.metrics import Load
+
+        return Load(self._waiting, self._running)
+
+    def execute(self, requests: list) -> list:
+        out = []
+        self._waiting = len(requests)
+        for request in requests:
+            self._waiting -= 1
+            self._running = 1
+            try:
+                out.append(self._one(request))
+            finally:
+                self._running = 0
+        return out
+
+    def _one(self, request: Any) -> Any:
+        try:
+            get = getter(request)
+            key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
+            if not key:
+                raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
+            # prefill samples one token; decode checks the real max_tokens against the context
+            params = dataclasses.replace(inputs.sampling_params(get, require_max_tokens=False), max_tokens=1)
+            ids = inputs.token_ids(get)
+            handle, push_s, cached = self.service.prefill(key, ids, params)
+        except Exception as exc:
+            return pbutils.error_response(exc)
+        self.metrics.record_kv_transfer(push_s, self.transport_name)
+        if self.service.engine.prefix_cache is not None:
+            self.metrics.record_prefix(len(ids), cached)
+        return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
+                                                 T.KV_HANDLE: handle.to_json},
+                                     pbutils.requested_outputs(request))
+
+    def finalize(self) -> None:
+        if self.load_gauges is not None:
+            self.load_gauges.close()
+        self.service.close()
+        self.metrics.close()

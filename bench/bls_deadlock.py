@@ -81,7 +81,7 @@ def one_run(via: str, args: argparse.Namespace) -> dict:
             wall = time.perf_counter() - t0
             frames: dict[str, int] = {}
             if done is None:
-                from rngd_pd.serve.supervisor import stub_processes
+                from rngd_pd.host.stubs import stub_processes
 
                 pids = [s.pid for s in stub_processes(server.proc.pid) if s.model == "fan"]
                 frames = cycle_frames(pids[0]) if pids else {}

@@ -196,7 +196,7 @@ def dump_stubs(server_pid: int, timeout_s: float = 60.0) -> str:
     import shutil
     import subprocess
 
-    from rngd_pd.serve.supervisor import stub_processes
+    from rngd_pd.host.stubs import stub_processes
 
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:

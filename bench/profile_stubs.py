@@ -98,7 +98,7 @@ def load(url: str, streams: int, stop: threading.Event, prompt_len: int, max_tok
 
 
 def profile(server_pid: int, seconds: float, out_dir: Path) -> dict[str, dict]:
-    from rngd_pd.serve.supervisor import stub_processes
+    from rngd_pd.host.stubs import stub_processes
 
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:

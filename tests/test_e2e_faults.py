@@ -38,8 +38,8 @@ import numpy as np
 import openai
 import pytest
 
+from rngd_pd.host.stubs import stub_processes
 from rngd_pd.serve.server import free_port
-from rngd_pd.serve.supervisor import stub_processes
 from tests import e2e_support as E
 from tests.test_triton_serve import stop_and_reap
 from tests.triton_harness import require_tritonserver

@@ -21,7 +21,9 @@ import pytest
 from rngd_pd.frontend.api_errors import BackendUnavailable
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
+from rngd_pd.host import stubs as H
 from rngd_pd.serve import supervisor as S
+from rngd_pd.wire import status as W
 from tests.frontend_fakes import FakeBackend, serve_app
 
 STUB = "/cache/triton-backends/py3.11-x/python/triton_python_backend_stub"
@@ -59,38 +61,38 @@ def proc(tmp_path: Path) -> Path:
 
 
 def test_stubs_are_the_living_descendants_of_the_server(proc: Path) -> None:
-    stubs = S.stub_processes(SERVER, proc)
+    stubs = H.stub_processes(SERVER, proc)
     assert [(s.pid, s.model, s.instance, s.start_time) for s in stubs] == [
         (101, "decode", "decode_0_0", 2001), (102, "pd", "pd_0_0", 2002),
         (103, "prefill", "prefill_0_0", 2003)]
-    assert S.stub_processes(999, proc) == []
+    assert H.stub_processes(999, proc) == []
 
 
 def test_a_stub_that_died_is_named_with_its_model_and_pid(proc: Path) -> None:
-    watch = S.StubWatch(proc)
+    watch = H.StubWatch(proc)
     assert len(watch.snapshot(SERVER)) == 3
     assert watch.check() is None
     shutil.rmtree(proc / "101")
     failure = watch.check()
-    assert failure == S.Failure("died", "decode", 101)
+    assert failure == H.Failure("died", "decode", 101)
     assert failure.describe() == "stub of model decode (pid 101) died"
 
 
 def test_defunct_and_reused_pids_count_as_dead(proc: Path) -> None:
-    watch = S.StubWatch(proc)
+    watch = H.StubWatch(proc)
     watch.snapshot(SERVER)
     write_proc(proc, 102, SERVER, stub_argv("pd"), state="Z", start=2002)
     assert watch.check().describe() == "stub of model pd (pid 102) died"
     watch.snapshot(SERVER)  # pd is gone from the watch now; a new process takes decode's pid
     write_proc(proc, 101, 1, ["/bin/sleep", "1"], start=9999)
-    assert watch.check() == S.Failure("died", "decode", 101)
+    assert watch.check() == H.Failure("died", "decode", 101)
 
 
 def test_a_stub_stopped_for_long_counts_as_failed_a_moment_does_not(proc: Path) -> None:
     """SIGSTOP (or a tracer left attached): Triton fails the stub's requests with "not healthy" and
     logs nothing; py-spy and gdb stop a stub only for a moment."""
     now = [0.0]
-    watch = S.StubWatch(proc, stopped_s=10.0, clock=lambda: now[0])
+    watch = H.StubWatch(proc, stopped_s=10.0, clock=lambda: now[0])
     watch.snapshot(SERVER)
     write_proc(proc, 102, SERVER, stub_argv("pd"), state="T", start=2002)
     assert watch.check() is None
@@ -101,11 +103,11 @@ def test_a_stub_stopped_for_long_counts_as_failed_a_moment_does_not(proc: Path) 
     write_proc(proc, 102, SERVER, stub_argv("pd"), state="t", start=2002)
     assert watch.check() is None  # stopped again: counted from now
     now[0] = 15.0
-    assert watch.check() == S.Failure("is stopped (state t for 10 s: SIGSTOP or a tracer)", "pd", 102)
+    assert watch.check() == H.Failure("is stopped (state t for 10 s: SIGSTOP or a tracer)", "pd", 102)
 
 
 def test_the_log_names_an_unhealthy_stub_of_this_server_only(proc: Path) -> None:
-    watch = S.StubWatch(proc)
+    watch = H.StubWatch(proc)
     watch.snapshot(SERVER)
     watch.log_line("I1201 model.py:1] cancelling decode of request ab failed: Stub process 'decode_0_1' "
                    "is not healthy.\n")  # not one of ours (a remote server's, seen by a gateway)
@@ -119,7 +121,7 @@ def test_the_log_names_an_unhealthy_stub_of_this_server_only(proc: Path) -> None
 
 
 def test_tritonserver_exit_is_a_failure_too() -> None:
-    assert S.Failure("exited with code -11").describe() == "tritonserver exited with code -11"
+    assert H.Failure("exited with code -11").describe() == "tritonserver exited with code -11"
 
 
 def test_restart_policy_backs_off_and_gives_up_within_its_window() -> None:
@@ -136,20 +138,20 @@ def test_restart_policy_backs_off_and_gives_up_within_its_window() -> None:
 
 def test_status_file_round_trip_and_reader(tmp_path: Path) -> None:
     path = tmp_path / "status.json"
-    reader = S.StatusReader(path)
+    reader = W.StatusReader(path)
     missing = reader.current()
-    assert missing.state == S.FAILED and "cannot be read" in missing.message()
-    S.write_status(path, S.ServerStatus(S.READY, restarts=2))
+    assert missing.state == W.FAILED and "cannot be read" in missing.message()
+    W.write_status(path, W.ServerStatus(W.READY, restarts=2))
     assert reader.current().ready and reader.current().restarts == 2
     reason = "stub of model pd (pid 7) died; restarting tritonserver (restart 3)"
-    S.write_status(path, S.ServerStatus(S.RECOVERING, reason, 3))
+    W.write_status(path, W.ServerStatus(W.RECOVERING, reason, 3))
     now = reader.current()
     assert not now.ready and now.restarts == 3
     assert now.message() == f"The server is recovering: {reason}; retry shortly"
     assert json.loads(path.read_text())["state"] == "recovering"
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
     path.write_text("{}")
-    assert reader.current().state == S.FAILED
+    assert reader.current().state == W.FAILED
 
 
 # ------------------------------------------------------------------ the recovery loop
@@ -203,7 +205,7 @@ def supervisor(tmp_path: Path, proc: Path, server: FakeServer, **kw) -> tuple[S.
     said: list[str] = []
     states: list[tuple[str, int]] = []
     sup = S.Supervisor(server, tmp_path / "status.json", threading.Event(), grace_s=0.0, poll_s=0.01,
-                       say=said.append, watch=S.StubWatch(proc), **kw)
+                       say=said.append, watch=H.StubWatch(proc), **kw)
     original = sup.set_status
 
     def recording(state: str, reason: str = "") -> None:
@@ -227,7 +229,7 @@ def test_a_dead_stub_restarts_tritonserver_and_the_status_follows(tmp_path: Path
     assert said[0] == "stub of model decode (pid 1001) died; restarting tritonserver (restart 1)"
     assert "ready again" in said[-1] and "restart 1" in said[-1]
     assert states == [("ready", 0), ("recovering", 1), ("ready", 1)]
-    assert S.read_status(sup.status_path).ready and S.read_status(sup.status_path).restarts == 1
+    assert W.read_status(sup.status_path).ready and W.read_status(sup.status_path).restarts == 1
     assert [s.pid for s in sup.watch.stubs.values()] == [2001, 2002, 2003]  # the new server's stubs
     server.proc.code = -11  # tritonserver itself crashes
     assert sup.step() is None and server.starts == 3
@@ -244,8 +246,8 @@ def test_a_crash_loop_gives_up_with_a_clear_message(tmp_path: Path, proc: Path) 
     assert sup.step() == 1
     assert server.starts == 4  # the first start and three restarts
     assert [s for s, _ in states] == ["ready", "recovering", "recovering", "recovering", "failed"]
-    final = S.read_status(sup.status_path)
-    assert final.state == S.FAILED and final.restarts == 3
+    final = W.read_status(sup.status_path)
+    assert final.state == W.FAILED and final.restarts == 3
     assert "did not become ready after restart 3: tritonserver exited with code 1" in final.reason
     assert "restarted 3 times in the last 600 s, giving up" in final.reason
     assert "--- log ---" not in final.reason  # one line
@@ -294,7 +296,7 @@ class BreakingBackend(FakeBackend):
         n = 0
         async for chunk in super().generate(req):
             if self.broken and n == self.after:
-                S.write_status(self.status, S.ServerStatus(S.RECOVERING, RECOVERING_REASON, 1))
+                W.write_status(self.status, W.ServerStatus(W.RECOVERING, RECOVERING_REASON, 1))
                 await asyncio.sleep(0)
                 raise BackendUnavailable("Triton at 127.0.0.1:1 is not reachable (UNAVAILABLE); retry later")
             n += 1
@@ -314,7 +316,7 @@ def served():
 
 def test_front_end_answers_503_while_serve_recovers(tmp_path: Path, served) -> None:
     status = tmp_path / "status.json"
-    S.write_status(status, S.ServerStatus(S.READY))
+    W.write_status(status, W.ServerStatus(W.READY))
     backend = BreakingBackend(served.tokenizer, status)
     config = FrontendConfig(server_status=str(status))
     assert config.to_argv()[-2:] == ["--server-status", str(status)]
@@ -345,12 +347,12 @@ def test_front_end_answers_503_while_serve_recovers(tmp_path: Path, served) -> N
         assert "rngd_pd_server_restarts_total 1.0" in metrics and "rngd_pd_server_ready 0.0" in metrics
 
         backend.broken = False
-        S.write_status(status, S.ServerStatus(S.READY, restarts=1))
+        W.write_status(status, W.ServerStatus(W.READY, restarts=1))
         assert httpx.get(url + "/health").status_code == 200
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
         assert "rngd_pd_server_ready 1.0" in httpx.get(url + "/metrics").text
 
-        S.write_status(status, S.ServerStatus(S.FAILED, "stub of model pd (pid 1) died; giving up", 5))
+        W.write_status(status, W.ServerStatus(W.FAILED, "stub of model pd (pid 1) died; giving up", 5))
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_unavailable"
         assert "retry-after" not in r.headers and "stopped recovering" in r.json()["error"]["message"]
@@ -363,8 +365,8 @@ def test_front_end_without_serve_exports_no_server_metrics(served) -> None:
 
 def test_a_stub_sees_a_sibling_stub_die(proc: Path, monkeypatch) -> None:
     """pd's SiblingWatch: the stubs of the models it calls, under the same tritonserver (its parent)."""
-    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
-    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    monkeypatch.setattr(H.os, "getppid", lambda: SERVER)
+    watch = H.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
     assert watch.check(now=1.0) is None
     assert {s.model for s in watch.watch.stubs.values()} == {"decode", "prefill"}  # not the other server's
     write_proc(proc, 101, SERVER, stub_argv("decode"), state="Z", start=2001)
@@ -377,9 +379,9 @@ def test_the_config_completing_stub_is_never_watched(proc: Path, monkeypatch) ->
     """Seen in a 48-stream run: pd's instance was up before prefill's config-completing stub (instance
     name = model name) started; that stub exited by design 0.5 s later and prefill's instance stub came
     only 8 s after. Watching it failed every request as "stub of model prefill died"."""
-    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
+    monkeypatch.setattr(H.os, "getppid", lambda: SERVER)
     shutil.rmtree(proc / "103")  # prefill has no stub yet
-    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    watch = H.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
     assert watch.check(now=1.0) is None
     write_proc(proc, 108, SERVER, stub_argv("prefill", "prefill"), start=2008)  # completes the config
     assert watch.check(now=2.0) is None
@@ -395,8 +397,8 @@ def test_the_config_completing_stub_is_never_watched(proc: Path, monkeypatch) ->
 
 def test_a_stub_replaced_while_models_load_is_not_a_death(proc: Path, monkeypatch) -> None:
     """Triton runs a short-lived stub per model while it loads; pd may have seen that one first."""
-    monkeypatch.setattr(S.os, "getppid", lambda: SERVER)
-    watch = S.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
+    monkeypatch.setattr(H.os, "getppid", lambda: SERVER)
+    watch = H.SiblingWatch(("decode", "prefill"), every_s=0.0, proc=proc)
     assert watch.check(now=1.0) is None
     shutil.rmtree(proc / "103")  # prefill's first stub goes ...
     write_proc(proc, 107, SERVER, stub_argv("prefill"), start=2007)  # ... and its instance's stub is there

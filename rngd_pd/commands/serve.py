@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in models)) if models else ()
     cfg = ServerConfig(repository, config_name, args.host, args.http_port, args.grpc_port, args.metrics_port,
                        env=model_env(args), log_verbose=args.log_verbose, extra_args=extra)
-    from rngd_pd.serve.supervisor import StubWatch
+    from rngd_pd.host.stubs import StubWatch
 
     watch = StubWatch()
     try:
@@ -242,17 +242,10 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
     import shutil
     import tempfile
 
+    from rngd_pd.host.stubs import Failure
     from rngd_pd.serve.server import TritonServerError, stop_process_group
-    from rngd_pd.serve.supervisor import (
-        ENV_RESTARTS,
-        FAILED,
-        STARTING,
-        STOPPING,
-        Failure,
-        ProgressWatch,
-        RestartPolicy,
-        Supervisor,
-    )
+    from rngd_pd.serve.supervisor import ENV_RESTARTS, ProgressWatch, RestartPolicy, Supervisor
+    from rngd_pd.wire.status import FAILED, STARTING, STOPPING
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -20,12 +20,13 @@ device tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rngd_pd.devices.base import Device
+from rngd_pd.errors import ConfigError
 
 OnLayer = Callable[[int, Any, Any], None]
 KVList = list[tuple[Any, Any]]
@@ -66,6 +67,24 @@ def past_buckets(chunk: int, max_context: int) -> tuple[int, ...]:
         out.append(n)
         n *= 2
     return (*out, max_context)
+
+
+DEFAULT_BUCKETS = (512, 2048, 8192)
+
+
+def plan_buckets(
+    num_slots: int, max_len: int, buckets: Sequence[int] | Mapping[int, int] | None
+) -> dict[int, int]:
+    """{bucket length: slots}. A sequence gives every bucket num_slots slots; max_len caps them."""
+    if isinstance(buckets, Mapping):
+        plan = {int(k): int(v) for k, v in buckets.items()}
+    else:
+        lengths = [b for b in (buckets or DEFAULT_BUCKETS) if b < max_len] + [max_len]
+        plan = {int(b): num_slots for b in lengths}
+    bad = {k: v for k, v in plan.items() if k < 2 or k > max_len or v < 1}
+    if bad or not plan:
+        raise ConfigError(f"buckets {plan} invalid: lengths must be in [2, {max_len}], slots >= 1")
+    return dict(sorted(plan.items()))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rngd_pd.config.dtypes import torch_dtype
 from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
@@ -26,18 +27,6 @@ if TYPE_CHECKING:
     from rngd_pd.devices.cores import CoreShare
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def torch_dtype(name: Any) -> torch.dtype:
-    """torch dtype of a name (bf16, fp16, fp32) or a torch dtype."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
 
 class TorchRuntime:
     """One LoadedModel on one torch device (see the module docstring)."""

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime, plan_buckets
 from rngd_pd.engine.request import (
     DecodeRequest,
     RequestState,
@@ -37,7 +37,6 @@ from rngd_pd.model.sampling import FinishReason, Sampler
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (512, 2048, 8192)
 CANCEL_MEMORY_S = 120.0  # how long a cancel of a key not (yet) submitted is remembered
 MAX_TOMBSTONES = 4096
 
@@ -93,21 +92,6 @@ class _Bucket:
         self._np[1, :n] = [e.position for e in rows]
         self._np[2, :n] = [e.slot for e in rows]
         return self._t[0, :n], self._t[1, :n], self._t[2, :n]
-
-
-def plan_buckets(
-    num_slots: int, max_len: int, buckets: Sequence[int] | Mapping[int, int] | None
-) -> dict[int, int]:
-    """{bucket length: slots}. A sequence gives every bucket num_slots slots; max_len caps them."""
-    if isinstance(buckets, Mapping):
-        plan = {int(k): int(v) for k, v in buckets.items()}
-    else:
-        lengths = [b for b in (buckets or DEFAULT_BUCKETS) if b < max_len] + [max_len]
-        plan = {int(b): num_slots for b in lengths}
-    bad = {k: v for k, v in plan.items() if k < 2 or k > max_len or v < 1}
-    if bad or not plan:
-        raise ConfigError(f"buckets {plan} invalid: lengths must be in [2, {max_len}], slots >= 1")
-    return dict(sorted(plan.items()))
 
 
 class DecodeEngine:

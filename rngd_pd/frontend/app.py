@@ -150,7 +150,7 @@ def create_app(
     status = None
     if config.server_status:  # under `rngd-pd serve`: its status file says ready first
         from rngd_pd.frontend.supervised import SupervisedBackend
-        from rngd_pd.serve.supervisor import StatusReader
+        from rngd_pd.wire.status import StatusReader
 
         status = StatusReader(config.server_status)
         backend = SupervisedBackend(backend, status)

@@ -115,7 +115,7 @@ class FrontendMetrics:
         return sum(r[3] for r in rows[1:]) / span if span > 0 else 0.0
 
     def watch_server(self, status) -> None:
-        """Export serve's restart count and readiness from its status file (a supervisor.StatusReader)."""
+        """Export serve's restart count and readiness from its status file (a wire.status.StatusReader)."""
         self.registry.register(_ServerCollector(status))
 
     def render(self) -> bytes:

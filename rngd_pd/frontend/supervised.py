@@ -1,6 +1,6 @@
 """The front end under `rngd-pd serve`: serve's status file decides readiness before Triton is asked.
 
-`rngd-pd serve` passes `--server-status FILE` (rngd_pd.serve.supervisor.ServerStatus, JSON). While the
+`rngd-pd serve` passes `--server-status FILE` (rngd_pd.wire.status.ServerStatus, JSON). While the
 file does not say `ready` (a model's stub died and tritonserver is being restarted, or serve gave up):
 
 * /health answers 503 with the status's sentence (what failed, restart n);
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from rngd_pd.frontend.api_errors import APIError
 from rngd_pd.frontend.backend import Backend, GenerateRequest, TokenChunk
-from rngd_pd.serve.supervisor import FAILED, ServerStatus, StatusReader
+from rngd_pd.wire.status import FAILED, ServerStatus, StatusReader
 
 RETRY_AFTER_S = 5
 

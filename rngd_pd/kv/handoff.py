@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rngd_pd import errors
-from rngd_pd.devices.torch_runtime import torch_dtype
+from rngd_pd.config.dtypes import torch_dtype
 from rngd_pd.kv.buffers import DEFAULT_CHECKSUM, as_bytes, checksum
 from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
 from rngd_pd.kv.protocol import flush

@@ -123,7 +123,7 @@ class PdModel(_GenerationModel):
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.engine.orchestrator import Orchestrator
-        from rngd_pd.serve.supervisor import SiblingWatch
+        from rngd_pd.host.stubs import SiblingWatch
         from rngd_pd.stubs.clients import RETIRED, BlsClient, GrpcClient
         from rngd_pd.stubs.serving import PdParams, model_params
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
 from rngd_pd.devices.npu import RNGD, cards
-from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets
+from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets, plan_buckets
 from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
 
 RNGD_ENV = ".venv-rngd"
@@ -107,8 +107,6 @@ def configured_shapes(root: Path | None = None) -> GraphShapes:
     past buckets of its max_len (model_repository/prefill/config.pbtxt, device rngd, as
     PrefillEngine plans them) and every decode bucket of decode/configs/rngd.pbtxt (num_slots x each
     bucket of max_len, as DecodeEngine plans them)."""
-    from rngd_pd.engine.decode import plan_buckets
-
     repo = (root or repo_root()) / "model_repository"
     pre = pbtxt_parameters(repo / "prefill" / "config.pbtxt")
     dec = pbtxt_parameters(repo / "decode" / "configs" / "rngd.pbtxt")

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "frontend": "rngd_pd.commands.frontend",
     "kv-relay": "rngd_pd.commands.kv_relay",
     "conformance": "rngd_pd.commands.conformance",
+    "device-conformance": "rngd_pd.commands.device_conformance",
     "devices": "rngd_pd.commands.devices",
 }
 

@@ -71,7 +71,7 @@ def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path
     assert row["argv"][-3:] == ["--no-cache", "--max-unique-shapes", "16"]
     (row,) = rngd.compile_check(shapes, env=env)
     assert "--max-unique-shapes" not in row["argv"] and "--no-cache" not in row["argv"]
-    from rngd_pd.devices import conformance
+    from rngd_pd.commands import device_conformance as conformance
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -343,7 +343,7 @@ def _rngd_ready_or_skip():
 
 
 def _conformance(*args, timeout=3000):
-    cmd = [sys.executable, "-m", "rngd_pd.devices.conformance", "rngd", "--compile-only", *args]
+    cmd = [sys.executable, "-m", "rngd_pd.commands.device_conformance", "rngd", "--compile-only", *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=rngd.repo_root(), timeout=timeout)
     print(" ".join(cmd[1:]), proc.stdout, proc.stderr[-3000:], f"{time.monotonic() - t0:.0f} s", sep="\n")
@@ -365,7 +365,7 @@ def test_rngd_compile_only_conformance():
     longer pasts (1024-4096: the same ops over a longer past, ~7 min each here) are in
     docs/devices-rngd.md, compiled by the same command."""
     _rngd_ready_or_skip()
-    from rngd_pd.devices import conformance
+    from rngd_pd.commands import device_conformance as conformance
 
     shapes = rngd.configured_shapes()
     graphs = rngd_graphs.specs(shapes.prefill_chunks, shapes.decode, shapes.prefill_past)
@@ -490,7 +490,7 @@ def test_rngd_runtime_and_card_worker_conform_on_cpu_graphs():
     against the CPU reference, fp32, tokens equal. Prefill of a full chunk and of 1.5 chunks (the
     second after a past padded to its bucket), decode of 2 rows at their own lengths (a width
     padded by the worker where fewer rows run), KV through a card-resident cache and back."""
-    from rngd_pd.devices import conformance
+    from rngd_pd.commands import device_conformance as conformance
     from rngd_pd.devices.runtime import as_runtime
     from rngd_pd.model import load_model
 

@@ -10,6 +10,7 @@ import pytest
 from rngd_pd import errors
 from rngd_pd.config import params
 from rngd_pd.kv.options import RelayOptions, ShmOptions, UcxOptions, crc_algorithm, options, parse_kv_options
+from rngd_pd.stubs.serving import transport_for
 
 
 def test_config_then_environment_then_code(monkeypatch) -> None:
@@ -48,7 +49,7 @@ def test_a_relay_address_in_config_pbtxt_reaches_the_transport(monkeypatch) -> N
     values = {"kv_transport": "tcp", "kv_options": "addr=127.0.0.1:9"}
     config = json.dumps({"name": "decode", "parameters": {k: {"string_value": v} for k, v in values.items()}})
     p = params.parse_params(params.ServingParams, config, env={})
-    transport = p.transport()
+    transport = transport_for(p)
     try:
         assert transport.client.addr == ("127.0.0.1", 9)
     finally:

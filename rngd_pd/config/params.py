@@ -60,11 +60,6 @@ class ServingParams:
     kv_options: str = param("", help="the transport's options, NAME=VALUE;... (rngd_pd.kv.options), "
                                      "e.g. addr=relay.kv:9100 for tcp and nixl-ucx; environment names win")
 
-    def transport(self) -> Any:
-        """The configured KV transport, built with its options (a bad option fails the model's load)."""
-        from rngd_pd.kv import load_transport
-
-        return load_transport(self.kv_transport, **({"config": self.kv_options} if self.kv_options else {}))
     dtype: str = param("auto", env=ENV_DTYPE, choices=COMPUTE_DTYPES,
                        help="compute dtype: auto (bf16 where the CPU/GPU computes bf16 natively, else fp32), "
                             "bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")

@@ -5,7 +5,7 @@ SDK is not installable here (it comes from Rebellions' own index), so what runs 
 around it: the static graph (`rngd_pd.model.static.StaticDecode`, checked against the eager model
 on the CPU), one `input_info` list per bucket, the artifact cache keys, the error texts and the
 import-time behaviour (rebel is imported only inside this module's functions). Compiling and
-running happen on an ATOM host; `python -m rngd_pd.devices.conformance atom` checks them there.
+running happen on an ATOM host; `rngd-pd device-conformance atom` checks them there.
 
 ATOM runs decode (its role in this system); prefill is refused with the configs that run it
 elsewhere. The KV cache lives in host memory as the graphs' input, the step's new K/V rows are

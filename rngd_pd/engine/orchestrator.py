@@ -158,13 +158,16 @@ class Orchestrator:
 
     def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
                  decode_model: str = "decode", max_streams: int = 32,
-                 local_prefill_tokens: int = AUTO, local_prefill_when: str = "busy") -> None:
+                 local_prefill_tokens: int = AUTO, local_prefill_when: str = "busy",
+                 connect: Callable[[str], ModelClient] | None = None) -> None:
         """local_prefill_tokens: prompts up to this long are prefilled by decode (AUTO: decode's own
-        measured length; 0: always hand off), when `local_prefill_when` (module docstring)."""
+        measured length; 0: always hand off), when `local_prefill_when` (module docstring).
+        connect: a client for a prefill server named by address (llm-d's endpoint picker); the
+        stub passes its gRPC client, so this module needs no Triton."""
         if local_prefill_when not in LOCAL_WHEN:
             raise errors.ConfigError(f"local_prefill_when must be one of {', '.join(LOCAL_WHEN)}, "
                                      f"got {local_prefill_when!r}")
-        self.prefill, self.decode = prefill, decode
+        self.prefill, self.decode, self._connect = prefill, decode, connect
         self._local_tokens = local_prefill_tokens
         self._local_when = local_prefill_when
         self._queued = {False: 0, True: 0}  # prompt tokens in flight, no first token yet: remote, local
@@ -194,9 +197,10 @@ class Orchestrator:
         with self._chosen_lock:
             client = self._chosen.pop(address, None)
             if client is None:
-                from rngd_pd.stubs.clients import GrpcClient
-
-                client = GrpcClient(address)
+                if self._connect is None:
+                    raise errors.ConfigError(f"prefill server {address!r} was named, but this "
+                                             "orchestrator reaches no server by address")
+                client = self._connect(address)
             self._chosen[address] = client
             while len(self._chosen) > CHOSEN_CLIENTS:
                 _close(self._chosen.popitem(last=False)[1])

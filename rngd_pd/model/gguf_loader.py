@@ -9,16 +9,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig
 from rngd_pd.model.tokenizer import Tokenizer, tokenizer_from_gguf
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -125,10 +122,9 @@ class GGUFCheckpoint:
         except Exception as e:
             raise ModelLoadError(f"{self.path}: tensor {name} cannot be dequantized ({e})") from e
 
-    def hf_tensors(self, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-        """(Hugging Face name, fp32 tensor) for every weight the model uses, in file order."""
-        import torch  # here, not at the top: reading the tokenizer must not cost a torch import
-
+    def hf_tensors(self, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, fp32 array) for every weight the model uses, in file order (numpy:
+        this reader stays torch-free for the front end; load_model makes tensors of them)."""
         for name in self.tensors:
             hf = hf_name(name)
             if hf is None:
@@ -139,7 +135,7 @@ class GGUFCheckpoint:
             elif ".attn_k." in name:
                 w = unpermute(w, config.num_kv_heads)
             w = np.ascontiguousarray(w, dtype=np.float32)
-            yield hf, torch.from_numpy(w if w.flags.writeable else w.copy())
+            yield hf, w if w.flags.writeable else w.copy()
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         """Tokenizer, chat template and special tokens from tokenizer.* metadata."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm import tqdm
@@ -72,9 +73,10 @@ def load_model(
 _open = open_checkpoint  # kept for callers written against the first cut
 
 
-def _ticking(items: Iterable[tuple[str, Tensor]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:
-    for item in items:
-        yield item
+def _ticking(items: Iterable[tuple[str, Tensor | np.ndarray]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:
+    """Tensors (a GGUF gives numpy arrays, safetensors torch tensors), ticking the progress bar."""
+    for name, t in items:
+        yield name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t
         bar.update(1)
 
 

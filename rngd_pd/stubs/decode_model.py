@@ -179,12 +179,12 @@ class DecodeModel:
         from rngd_pd.stubs import pbutils
         from rngd_pd.stubs.metrics import load_gauges, triton_metrics
         from rngd_pd.stubs.sending import ResponseLoop
-        from rngd_pd.stubs.serving import DecodeParams, load_for, model_params
+        from rngd_pd.stubs.serving import DecodeParams, load_for, model_params, transport_for
 
         p = model_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
-        self.service = DecodeService(load_for(p, args, "decode"), p.transport(), p.kv_dtype,
+        self.service = DecodeService(load_for(p, args, "decode"), transport_for(p), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport),
                                      local_prefill_tokens=p.local_prefill_tokens)

@@ -140,7 +140,7 @@ class PdModel(_GenerationModel):
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
-                                         local_prefill_when=p.local_prefill_when)
+                                         local_prefill_when=p.local_prefill_when, connect=GrpcClient)
         from rngd_pd.stubs.metrics import load_gauges
 
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)

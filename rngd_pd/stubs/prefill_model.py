@@ -54,11 +54,11 @@ class PrefillModel:
 
     def initialize(self, args: dict) -> None:
         from rngd_pd.stubs.metrics import load_gauges, triton_metrics
-        from rngd_pd.stubs.serving import PrefillParams, load_for, model_params
+        from rngd_pd.stubs.serving import PrefillParams, load_for, model_params, transport_for
 
         p = model_params(PrefillParams, args)
         self.transport_name = p.kv_transport
-        self.service = PrefillService(load_for(p, args, "prefill"), p.transport(), p.kv_dtype,
+        self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
                                       p.chunk_size, p.max_len, **p.prefix_kwargs())
         self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
         self.metrics = triton_metrics(args.get("model_name", "prefill"))

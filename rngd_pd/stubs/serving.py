@@ -18,6 +18,7 @@ from rngd_pd.config.params import (
     param,
     parse_params,
 )
+from rngd_pd.kv import Transport, load_transport
 from rngd_pd.stubs import pbutils
 
 
@@ -153,3 +154,9 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
 def getter(request: Any) -> Callable[[str], Any]:
     """`get(name)` -> numpy array or None for one Triton request (for rngd_pd.wire.inputs)."""
     return lambda name: pbutils.input_array(request, name)
+
+
+def transport_for(params: ServingParams) -> Transport:
+    """The configured KV transport, built with its options (a bad option fails the model's load)."""
+    options = {"config": params.kv_options} if params.kv_options else {}
+    return load_transport(params.kv_transport, **options)

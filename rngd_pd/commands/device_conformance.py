@@ -1,6 +1,6 @@
 """Device conformance: a device's runtime against the torch CPU reference, shape by shape.
 
-    .venv/bin/python -m rngd_pd.devices.conformance cpu|cuda|rngd|atom [--compile-only] [--json]
+    .venv/bin/python -m rngd_pd.commands.device_conformance cpu|cuda|rngd|atom [--compile-only] [--json]
 
 Checks, for every configured shape (prefill chunks; decode batch width x sequence bucket):
 
@@ -258,9 +258,10 @@ def format_table(kind: str, checks: Sequence[Check]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rngd_pd.devices.conformance",
-                                description=(__doc__ or "").split("\n")[0])
+HELP = "check a device's graphs against the torch CPU reference, shape by shape (cpu, cuda, rngd, atom)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("device", choices=("cpu", "cuda", "rngd", "atom"))
     p.add_argument("--device-id", type=int, default=-1, help="card ordinal; -1 = the allocated / first one")
     p.add_argument("--compile-only", action="store_true", help="rngd: compile every graph, run nothing")
@@ -287,7 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="decode steps per shape")
     p.add_argument("--atol", type=float, default=None, help="default: 1e-4 in fp32, 5e-2 in bf16")
     p.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     args.dtype = args.dtype or ("bf16" if args.device == "rngd" else "fp32")
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
                          args.dtype, args.kv_dtype, tuple(int(n) for n in args.past.split(",") if n))
@@ -315,6 +318,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_table(args.device, checks))
     return 0 if checks and all(c.ok for c in checks) else 1
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rngd-pd device-conformance", description=(__doc__ or "").split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     .venv/bin/python bench/bls_deadlock.py [--runs 3] [--threads 16] [--loops 200] [--tokens 40]
                                           [--spin 2] [--limit 120] [--via bls,grpc] [--json]
 
-Each run starts a fresh tritonserver with two models (tests/assets): `echo` streams its input ids
-back, and `fan` opens `threads` x `loops` streams of `tokens` tokens to it from `threads` threads
+Each run starts a fresh tritonserver with two models (rngd_pd.testing.fanout): `echo` streams its input
+ids back, and `fan` opens `threads` x `loops` streams of `tokens` tokens to it from `threads` threads
 at once, while `spin` threads keep the GIL busy (they widen the race's window). `fan` reaches echo by
 decoupled BLS (`via bls`, what pd did) or through the server's own gRPC endpoint (`via grpc`, what
 pd does now, rngd_pd.stubs.pd_model). A run stalls when `fan` has not answered after `limit`
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import re
 import shutil
 import subprocess
@@ -28,35 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FRAMES = ("ResponseIterator::Next", "EnqueueResponse", "GetResponseIterator")
-
-
-def repository(root: Path, via: str) -> Path:
-    from tests.assets.fan_model import SPEC as FAN
-    from tests.test_triton_server import ECHO, SPEC
-    from tests.triton_harness import config_pbtxt, write_model
-
-    write_model(root, "echo", ECHO, config_pbtxt(SPEC, {"delay_ms": "0", "threads": "true"}))
-    write_model(root, "fan", ROOT / "tests" / "assets" / "fan_model.py", config_pbtxt(FAN, {"via": via}))
-    return root
-
-
-def fan(url: str, threads: int, loops: int, tokens: int, spin: int, limit: float) -> int | None:
-    """Streams `fan` completed, or None when it did not answer within `limit` seconds."""
-    from tests import e2e_support as E
-
-    inputs = {name: np.array([v], np.int32) for name, v in
-              (("threads", threads), ("loops", loops), ("tokens", tokens), ("spin", spin))}
-    try:
-        got = E.stream_infer(url, "fan", inputs, ("count",), timeout=limit)
-    except queue.Empty:
-        return None
-    return int(got[-1]["count"].reshape(-1)[0])
 
 
 def cycle_frames(pid: int) -> dict[str, int]:
@@ -70,6 +44,7 @@ def cycle_frames(pid: int) -> dict[str, int]:
 
 def one_run(via: str, args: argparse.Namespace) -> dict:
     from rngd_pd.serve.server import ServerConfig, TritonServer
+    from rngd_pd.testing.fanout import fan, repository
 
     with tempfile.TemporaryDirectory(prefix="rngd-pd-bls-") as tmp:
         repo = repository(Path(tmp) / "repo", via)

@@ -121,7 +121,7 @@ def servers(configs: dict[str, dict[str, str]]) -> Iterator[dict[str, Any]]:
 
 def local_threshold(url: str) -> int:
     """What decode of that server answers to `describe` (its local prefill length)."""
-    from tests.e2e_support import stream_infer
+    from rngd_pd.testing.e2e import stream_infer
 
     got = stream_infer(url, "decode", {"request_key": np.array([b"ab"], dtype=np.object_),
                                        "describe": np.array([True])}, ("local_prefill_tokens",))
@@ -129,7 +129,7 @@ def local_threshold(url: str) -> int:
 
 
 def p(values: Sequence[float], q: float) -> float:
-    from rngd_pd.stubs.metrics import percentile
+    from rngd_pd.wire.airm_metrics import percentile
 
     return percentile(values, q)
 

@@ -49,7 +49,7 @@ TRANSPORT_DEFAULTS = {"AIRM_KV_UCX_POOL_MB": "256", "UCX_MODULES": "^ib"}
 
 def one_round(url: str, prompts: list[str], ids: list[list[int]], concurrency: int, max_tokens: int,
               timeout: float) -> dict:
-    from tests import e2e_support as E
+    from rngd_pd.testing import e2e as E
 
     results: list[object] = [None] * concurrency
     latency = [0.0] * concurrency
@@ -261,7 +261,7 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests import e2e_support as E
+    from rngd_pd.testing import e2e as E
 
     prompts = list(E.PROMPTS)
     ids = [E.prompt_ids(t) for t in prompts]  # tokenize once, not in the timed rounds

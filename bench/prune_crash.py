@@ -3,7 +3,7 @@
     .venv/bin/python bench/prune_crash.py [--rounds 10] [--streams 32] [--tokens 64] [--json]
 
 Two tritonservers, one after the other, serve two copies of the test echo model (decoupled,
-tests/assets/echo_model.py):
+rngd_pd/testing/assets/echo_model.py):
 `echo_raw` puts every output (`output_ids`, `finish_reason`) in each response, as the models did before;
 `echo` builds each response from the request's requested outputs (`rngd_pd.stubs.pbutils`). Every
 client requests only `output_ids`, so for `echo_raw` Triton prunes `finish_reason` in C++ after releasing
@@ -35,8 +35,9 @@ CRASH_SIGNS = ("double free", "free(): invalid", "Reference count error", "not h
 
 
 def repository(root: Path) -> Path:
-    from tests.test_triton_server import ECHO, SPEC
-    from tests.triton_harness import config_pbtxt, write_model
+    from rngd_pd.testing.assets import ECHO
+    from rngd_pd.testing.assets.echo_model import SPEC
+    from rngd_pd.testing.repository import config_pbtxt, write_model
 
     for name, send_all in (("echo", "false"), ("echo_raw", "true")):
         params = {"delay_ms": "0", "threads": "true", "send_all_outputs": send_all}
@@ -47,7 +48,7 @@ def repository(root: Path) -> Path:
 
 def one_round(url: str, model: str, streams: int, tokens: int, timeout: float) -> tuple[int, str]:
     """(streams that failed, the first error)."""
-    from tests import e2e_support as E
+    from rngd_pd.testing import e2e as E
 
     ids = np.arange(1, tokens + 1, dtype=np.int32)
     failures: list[str] = []

@@ -77,7 +77,7 @@ def test_log_paths_are_one_per_run() -> None:
 
 
 def test_runs_loop_prints_a_line_per_run_and_a_total(monkeypatch, tmp_path: Path, capsys) -> None:
-    from tests import e2e_support as E
+    from rngd_pd.testing import e2e as E
 
     monkeypatch.setattr(E, "prompt_ids", lambda text: [1, 2, 3])  # no model load
     outcomes = iter([([_row()], "ok", ""), ([_row(failed=2)], "Reference count error", ""),
@@ -100,7 +100,7 @@ def test_runs_loop_prints_a_line_per_run_and_a_total(monkeypatch, tmp_path: Path
 
 
 def test_runs_loop_json_has_a_summary_per_run_and_a_total(monkeypatch, capsys) -> None:
-    from tests import e2e_support as E
+    from rngd_pd.testing import e2e as E
 
     monkeypatch.setattr(E, "prompt_ids", lambda text: [1])
     monkeypatch.setattr(S, "_run", lambda args, run, prompts, ids: ([_row()], "", ""))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
 pytestmark = pytest.mark.e2e
@@ -77,5 +77,5 @@ def _stream(server, stream: bool) -> tuple[list, str]:
                 return got, ""
         return got, ""
     finally:
-        client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
+        client.stop_stream(cancel_requests=not final)  # see rngd_pd.testing.e2e.stream_infer
         client.close()

@@ -40,7 +40,7 @@ import pytest
 
 from rngd_pd.host.stubs import stub_processes
 from rngd_pd.serve.server import free_port
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.test_triton_serve import stop_and_reap
 from tests.triton_harness import require_tritonserver
 
@@ -177,7 +177,7 @@ def _grpc_stream(url: str, model: str, values: dict, s: Stream) -> None:
         s.ended_at = time.monotonic()
         s.first.set()
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
+            client.stop_stream(cancel_requests=not final)  # see rngd_pd.testing.e2e.stream_infer
             client.close()
 
 

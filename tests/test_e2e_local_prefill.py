@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
 LOCAL = 24  # prompts up to 24 tokens are prefilled by decode

@@ -20,7 +20,7 @@ import pytest
 
 from rngd_pd.kv.relay.proc import start_relay
 from rngd_pd.serve.server import ServerConfig, TritonServer, free_port
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

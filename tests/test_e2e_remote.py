@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rngd_pd.serve.server import ServerConfig, TritonServer
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rngd_pd.kv.relay.proc import start_relay
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
 pytestmark = pytest.mark.e2e

@@ -18,7 +18,7 @@ import pytest
 
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
-from tests import e2e_support as E
+from rngd_pd.testing import e2e as E
 from tests.frontend_fakes import serve_app, wait_for
 from tests.triton_harness import triton_server
 

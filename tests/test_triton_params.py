@@ -11,8 +11,8 @@ import pytest
 from rngd_pd.config import params
 from rngd_pd.errors import ConfigError
 from rngd_pd.stubs import pbutils
+from rngd_pd.testing.repository import config_pbtxt
 from rngd_pd.wire import tensors
-from tests.triton_harness import config_pbtxt
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,7 @@ def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
         return f"{type(exc).__name__}: {exc}"
     finally:
         with contextlib.suppress(Exception):
-            client.stop_stream(cancel_requests=not final)  # see e2e_support.stream_infer
+            client.stop_stream(cancel_requests=not final)  # see rngd_pd.testing.e2e.stream_infer
             client.close()
 
 

@@ -1,7 +1,7 @@
 """The tritonserver launcher and harness, against a real tritonserver running a minimal model.
 
-The model (tests/assets/echo_model.py) uses the same params / pbutils / metrics the real models use,
-so these tests prove the plumbing; the real models are tested by tests/test_e2e_*.py.
+The model (rngd_pd/testing/assets/echo_model.py) uses the same params / pbutils / metrics the real
+models use, so these tests prove the plumbing; the real models are tested by tests/test_e2e_*.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from rngd_pd.serve import server as srv
-from tests.assets.echo_model import SPEC
-from tests.triton_harness import config_pbtxt, triton_server, write_model
-
-ECHO = Path(__file__).parent / "assets" / "echo_model.py"
+from rngd_pd.testing.assets import ECHO
+from rngd_pd.testing.assets.echo_model import SPEC
+from rngd_pd.testing.repository import config_pbtxt, write_model
+from tests.triton_harness import triton_server
 
 
 def echo_repository(root: Path, parameters: dict | None = None) -> Path:

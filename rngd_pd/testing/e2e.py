@@ -1,4 +1,5 @@
-"""Shared pieces of the e2e tests of the model repository (real tritonserver, real transports).
+"""Shared pieces of the e2e tests and the benches of the model repository (real tritonserver, real
+transports): gRPC and HTTP clients, request inputs, reference generations, repository subsets.
 
 Reference tokens come from the in-process ColocatedEngine on the same embedded model (itself checked
 against the Hugging Face oracle by the model/engine tests), loaded once per test session.
@@ -19,8 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 
-ROOT = Path(__file__).resolve().parents[1]
+from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.weights import LoadedModel, load_model
+
+ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = ROOT / "model_repository"
 PROMPTS = (
     "The capital of France is",
@@ -42,9 +48,7 @@ def subset_repository(names: Iterable[str]) -> Path:
 
 
 @functools.cache
-def loaded_model() -> Any:
-    from rngd_pd.model import load_model
-
+def loaded_model() -> LoadedModel:
     return load_model(None, progress=False)
 
 
@@ -55,9 +59,6 @@ def prompt_ids(text: str) -> list[int]:
 @functools.cache
 def reference(text: str, max_tokens: int = MAX_TOKENS) -> tuple[tuple[int, ...], str, str]:
     """(token ids, text, finish reason) of greedy generation by the in-process ColocatedEngine."""
-    from rngd_pd.engine.colocated import ColocatedEngine
-    from rngd_pd.model.sampling import SamplingParams
-
     with ColocatedEngine(loaded_model(), num_slots=1, max_len=512) as engine:
         result = engine.generate(prompt_ids(text), SamplingParams(max_tokens=max_tokens))
     ids = tuple(result.token_ids)
@@ -66,8 +67,6 @@ def reference(text: str, max_tokens: int = MAX_TOKENS) -> tuple[tuple[int, ...],
 
 def grpc_inputs(values: Mapping[str, Any]) -> list[Any]:
     """tritonclient.grpc InferInputs from {name: numpy array}."""
-    import tritonclient.grpc as grpcclient
-
     out = []
     for name, array in values.items():
         dtype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
@@ -97,8 +96,6 @@ def stream_infer(url: str, model: str, values: Mapping[str, Any], outputs: tuple
     of a stream cancelled after its final response, and the model can then never unload
     (rngd_pd.frontend.backend).
     """
-    import tritonclient.grpc as grpcclient
-
     client = grpcclient.InferenceServerClient(url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))

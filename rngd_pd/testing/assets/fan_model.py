@@ -9,6 +9,7 @@ reaches decode), while `spin` threads keep the GIL busy (which widens the race's
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -25,8 +26,6 @@ SPEC = ModelSpec("fan", (TensorSpec("threads", "INT32", (1,)), TensorSpec("loops
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        import json
-
         via = json.loads(args["model_config"])["parameters"]["via"]["string_value"]
         url, why = local_grpc_url()
         if via == "grpc" and url is None:

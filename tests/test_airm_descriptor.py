@@ -49,13 +49,13 @@ def test_workload_matches_the_entry_point() -> None:
 
 
 def _registered_families() -> dict[str, str]:
-    """airm_* families the code registers (rngd_pd/stubs/metrics.py), with their Prometheus type."""
-    source = (ROOT / "rngd_pd" / "stubs" / "metrics.py").read_text()
+    """airm_* families the code registers (rngd_pd/wire/airm_metrics.py), with their Prometheus type."""
+    source = (ROOT / "rngd_pd" / "wire" / "airm_metrics.py").read_text()
     names = set(re.findall(r'"(airm_[a-z0-9_]+)"', source))
-    from rngd_pd.stubs import metrics
+    from rngd_pd.wire import airm_metrics
 
-    types = {**{n: "gauge" for n in metrics.GAUGES}, **{n: "histogram" for n in metrics.HISTOGRAMS}}
-    assert names == set(types), "every airm_* name in metrics.py is a registered gauge or histogram"
+    types = {**{n: "gauge" for n in airm_metrics.GAUGES}, **{n: "histogram" for n in airm_metrics.HISTOGRAMS}}
+    assert names == set(types), "every airm_* name in airm_metrics.py is a registered gauge or histogram"
     return types
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rngd_pd.stubs import metrics
+from rngd_pd.wire import airm_metrics as airm
 
 
 class RecordingSink:
@@ -24,13 +25,6 @@ class RecordingSink:
         self.counters[key] = self.counters.get(key, 0) + value
 
 
-def test_percentile() -> None:
-    assert metrics.percentile([], 90) == 0.0
-    assert metrics.percentile([5.0], 90) == 5.0
-    assert metrics.percentile(range(1, 11), 90) == pytest.approx(9.1)
-    assert metrics.percentile([3, 1, 2], 50) == 2
-
-
 def test_request_gauges_and_histograms() -> None:
     sink = RecordingSink()
     m = metrics.ServingMetrics("pd", sink)
@@ -38,12 +32,12 @@ def test_request_gauges_and_histograms() -> None:
         ttft = 0.01 * (i + 1)
         m.record_request(ttft, 11, ttft + 0.1, end=float(i + 1))
     snap = m.snapshot()
-    assert snap[metrics.TTFT_P90] == pytest.approx(91.0)
-    assert snap[metrics.TPOT_P90] == pytest.approx(10.0)
+    assert snap[airm.TTFT_P90] == pytest.approx(91.0)
+    assert snap[airm.TPOT_P90] == pytest.approx(10.0)
     # 110 tokens between the first start (1 - 0.11) and the last end (10)
-    assert snap[metrics.TOK_S] == pytest.approx(110 / (10 - 0.89))
-    assert sink.gauges[(metrics.TTFT_P90, (("model", "pd"),))] == pytest.approx(91.0)
-    assert sum(1 for o in sink.observed if o[0] == metrics.TTFT_HIST) == 10
+    assert snap[airm.TOK_S] == pytest.approx(110 / (10 - 0.89))
+    assert sink.gauges[(airm.TTFT_P90, (("model", "pd"),))] == pytest.approx(91.0)
+    assert sum(1 for o in sink.observed if o[0] == airm.TTFT_HIST) == 10
 
 
 def test_window_keeps_most_recent_requests() -> None:
@@ -51,8 +45,8 @@ def test_window_keeps_most_recent_requests() -> None:
     for ttft in (9.0, 9.0, 9.0, 9.0, 0.1, 0.1, 0.1, 0.1):
         m.record_request(ttft, 1, ttft)
     snap = m.snapshot()
-    assert snap["requests"] == 4 and snap[metrics.TTFT_P90] == pytest.approx(100.0)
-    assert snap[metrics.TPOT_P90] == 0.0  # single-token requests have no TPOT
+    assert snap["requests"] == 4 and snap[airm.TTFT_P90] == pytest.approx(100.0)
+    assert snap[airm.TPOT_P90] == 0.0  # single-token requests have no TPOT
 
 
 def test_kv_transfer_median_per_transport() -> None:
@@ -61,9 +55,9 @@ def test_kv_transfer_median_per_transport() -> None:
     for s in (0.001, 0.003, 0.002):
         m.record_kv_transfer(s, "shm")
     m.record_kv_transfer(0.5, "tcp")
-    key = (metrics.KV_TRANSFER, (("kv_transport", "shm"), ("model", "decode")))
+    key = (airm.KV_TRANSFER, (("kv_transport", "shm"), ("model", "decode")))
     assert sink.gauges[key] == pytest.approx(2.0)
-    assert m.snapshot()[metrics.KV_TRANSFER] == {"shm": pytest.approx(2.0), "tcp": pytest.approx(500.0)}
+    assert m.snapshot()[airm.KV_TRANSFER] == {"shm": pytest.approx(2.0), "tcp": pytest.approx(500.0)}
 
 
 @pytest.mark.parametrize(("role", "publisher"), [(None, "decode"), ("all", "decode"), ("decode", "decode"),

@@ -2,7 +2,8 @@
 
 Histograms in seconds for dashboards, plus the gauges ai-rm scrapes from a gateway
 (`airm_ttft_p90_ms`, `airm_tpot_p90_ms`, `airm_tok_s`) over the most recent 512 requests, as the
-original gateway exported them, measured here at the HTTP edge (what a client sees).
+original gateway exported them, measured here at the HTTP edge (what a client sees). Their names,
+window and percentile are those of the models' families (`rngd_pd.wire.airm_metrics`).
 """
 
 from __future__ import annotations
@@ -15,19 +16,13 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-WINDOW = 512
+from rngd_pd.wire.airm_metrics import GAUGES, TOK_S, TPOT_P90, TTFT_P90, WINDOW, percentile
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 
 __all__ = ["CONTENT_TYPE", "FrontendMetrics"]
-
-
-def _p90(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 class FrontendMetrics:
@@ -77,15 +72,9 @@ class FrontendMetrics:
         )
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, float | None, float | None, int]] = deque(maxlen=WINDOW)
-        Gauge("airm_ttft_p90_ms", f"p90 TTFT over the last {WINDOW} requests", registry=r).set_function(
-            lambda: self._window_p90(1)
-        )
-        Gauge("airm_tpot_p90_ms", f"p90 TPOT over the last {WINDOW} requests", registry=r).set_function(
-            lambda: self._window_p90(2)
-        )
-        Gauge("airm_tok_s", f"Output tokens/s over the last {WINDOW} requests", registry=r).set_function(
-            self._window_tok_s
-        )
+        Gauge(TTFT_P90, GAUGES[TTFT_P90], registry=r).set_function(lambda: self._window_p90(1))
+        Gauge(TPOT_P90, GAUGES[TPOT_P90], registry=r).set_function(lambda: self._window_p90(2))
+        Gauge(TOK_S, GAUGES[TOK_S], registry=r).set_function(self._window_tok_s)
 
     def finished(
         self, prompt_tokens: int, completion_tokens: int, ttft: float | None, tpot: float | None, e2e: float
@@ -104,7 +93,7 @@ class FrontendMetrics:
     def _window_p90(self, index: int) -> float:
         with self._lock:
             values = [row[index] for row in self._recent if row[index] is not None]
-        return 1000.0 * _p90(values)  # type: ignore[arg-type]
+        return 1000.0 * percentile(values, 90)  # type: ignore[arg-type]
 
     def _window_tok_s(self) -> float:
         with self._lock:

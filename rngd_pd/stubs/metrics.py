@@ -1,6 +1,7 @@
 """The airm_* metrics ai-rm scrapes, exported from the Python models as Triton custom metric families.
 
-Gauges over the most recent 512 requests (the names of the original system):
+Gauges over the most recent 512 requests (the names of the original system; names, window and
+percentile are defined once in `rngd_pd.wire.airm_metrics`, which the front end's /metrics uses too):
 
 * `airm_ttft_p90_ms`  p90 time to first token
 * `airm_tpot_p90_ms`  p90 time per output token after the first
@@ -42,30 +43,24 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-WINDOW = 512
-TTFT_P90 = "airm_ttft_p90_ms"
-TPOT_P90 = "airm_tpot_p90_ms"
-TOK_S = "airm_tok_s"
-KV_TRANSFER = "airm_kv_transfer_ms"
-TTFT_HIST = "airm_ttft_seconds"
-TPOT_HIST = "airm_tpot_seconds"
-KV_HIST = "airm_kv_transfer_seconds"
+from rngd_pd.wire.airm_metrics import (
+    GAUGES,
+    HISTOGRAMS,
+    KV_HIST,
+    KV_TRANSFER,
+    TOK_S,
+    TPOT_HIST,
+    TPOT_P90,
+    TTFT_HIST,
+    TTFT_P90,
+    WINDOW,
+    percentile,
+)
 
-GAUGES: dict[str, str] = {
-    TTFT_P90: "p90 time to first token (ms) over the most recent 512 requests",
-    TPOT_P90: "p90 time per output token after the first (ms) over the most recent 512 requests",
-    TOK_S: "output tokens per second over the most recent 512 requests",
-    KV_TRANSFER: "median KV transfer time per request (ms), push + pull, over the most recent 512",
-}
-HISTOGRAMS: dict[str, str] = {
-    TTFT_HIST: "time to first token (s)",
-    TPOT_HIST: "time per output token after the first (s)",
-    KV_HIST: "KV transfer time per request (s)",
-}
 REQUESTS_WAITING = "rngd_pd_requests_waiting"
 REQUESTS_RUNNING = "rngd_pd_requests_running"
 KV_USAGE = "rngd_pd_kv_cache_usage_ratio"
@@ -90,17 +85,6 @@ BUCKETS: dict[str, list[float]] = {
     TPOT_HIST: [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5],
     KV_HIST: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0],
 }
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """Linear-interpolated percentile q in [0, 100] (0.0 for no values)."""
-    data = sorted(values)
-    if not data:
-        return 0.0
-    pos = (len(data) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache   # the layers of docs/architecture.md ([tool.importlinter])
 
 test: setup lint rngd-env-for-test rngd-toolchain   # the RNGD compile check (tests/test_devices_rngd.py) needs both
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -4,13 +4,9 @@ Every error carries the request key where there is one, so a log line or a Trito
 name the request it belongs to. Messages say what happened and what to do about it.
 
 A handed-over exception (one thread catches it and queues it, another raises it) is raised as
-`try: raise exc` / `finally: del exc`: a frame that raises an exception held in one of its locals is
-in that exception's traceback, which holds the frame, a cycle that only the cyclic GC frees. In a
-Triton stub that cycle held the failed request's Triton objects, and Triton then could not unload the
-model (shutdown waited out its exit timeout after a request decode refused). For the same reason a
-log call is given `str(exc)`, not the exception: a handler that keeps records would keep its frames.
-The sender also collects cycles when its instance goes idle (`rngd_pd.stubs.sending`), for any
-cycle these rules miss.
+`try: raise exc` / `finally: del exc`, and a log call is given `str(exc)`, not the exception: no
+frame may end up in a cycle with a traceback, which in a stub would keep the request's Triton objects
+and the model from unloading (docs/architecture.md, "Why it is built this way").
 """
 
 from __future__ import annotations

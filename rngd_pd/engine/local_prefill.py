@@ -1,19 +1,16 @@
 """Conditional disaggregation: up to which prompt length the decode instance prefills a request itself.
 
 A hand-off costs a short prompt more than its prefill: a round trip to the prefill model, its queue
-(behind long prompts: in a mixed load one 1,000-token prefill is dozens of decode steps), the KV push
-and pull. Prefilling it on the decode instance instead costs the running streams the prefill's time
-on their cores (it runs on a loader thread beside the scheduler; on a CPU host that shares its cores
-between the instances, it competes with the scheduler and with a busy prefill instance). So a prompt
-is prefilled locally when its prefill takes at most `budget_steps` (4) one-row decode steps,
-measured on this host at load: a stream loses at most about that much once per local request, while
-the short request skips the queue and the hand-off. The one-row step is the yardstick because it
-does not grow with `num_slots`: measured at full width (a 32-slot step is ~6x a one-row step here)
-the budget admitted 512-token prompts, which then stalled every running stream for a whole prefill
-each; at 8 one-row steps (~300 tokens here) every 256-token prompt of a 16-stream load went local
-while prefill was busy, three compute threads on two cores. Dynamo (`max_local_prefill_length`) and llm-d (the
-P/D decider's `threshold`) decide the same way, with a configured length; here it is measured unless
-given.
+(behind long prompts), the KV push and pull. Prefilling it on the decode instance instead costs the
+running streams the prefill's time on their cores (it runs on a loader thread beside the scheduler;
+on a CPU host that shares its cores between the instances, it competes with the scheduler and with a
+busy prefill instance). So a prompt is prefilled locally when its prefill takes at most
+`budget_steps` (4) one-row decode steps, measured on this host at load: a stream loses at most about
+that much once per local request, while the short request skips the queue and the hand-off. The
+yardstick is a one-row step because it does not grow with `num_slots` (why, measured:
+docs/benchmarks.md, "Conditional disaggregation, two fixes found here"). Dynamo
+(`max_local_prefill_length`) and llm-d (the P/D decider's `threshold`) decide the same way, with a
+configured length; here it is measured unless given.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """`rngd-pd serve` watches its tritonserver and restarts it when a model stops answering.
 
-Triton 2.51 never restarts a Python stub that died: the model stays "READY", /v2/health/ready answers
-200, new requests fail with "Stub process '<instance>' is not healthy" and a decoupled model's
-in-flight streams hang for good (research/triton-2.51.md). So serve does it:
+Triton 2.51 never restarts a Python stub that died, so serve does (docs/serving.md, "When a model
+stops answering", has the why, the figures and the probes):
 
-* **Detect.** Every `poll_s` (0.5 s): each `triton_python_backend_stub` process that descends from
-  the tritonserver pid (found once the server is ready; its argv names the model file and the instance,
-  e.g. `pd_0_0`) must still exist, not be defunct (`Z`) and be the same process (start time); a log line
-  "Stub process '<instance>' is not healthy" naming one of them counts too, and so does tritonserver
-  exiting by itself. A stub stopped (state `T`: SIGSTOP, a freezer, a tracer left attached) for
-  `stopped_s` (10 s; py-spy and gdb stop one for a moment) counts as well: Triton then fails its
-  requests at once with "not healthy" but never says so in its log. A stub can also hang alive
-  (Triton 2.51's Python backend has a lock cycle between a BLS response iterator's mutex, its
-  iterator map's mutex and the GIL: README, Known limits), so
-  `ProgressWatch` reads Triton's metrics every few seconds: a model with requests pending whose
-  execution count has not moved for `hang_s` (`--hang-timeout`) counts as hung.
-* **Say so at once.** The status file (`ServerStatus`, JSON, replaced atomically) turns to
-  `recovering` with the reason before anything else happens; the OpenAI front end reads it on every
-  request and on /health (503 with an OpenAI-shaped error), and exports the restart count.
-* **Recover.** After `grace_s` (1.5 s: the living stubs can send their errors), tritonserver is stopped
-  (SIGTERM, SIGKILL after `stop_grace_s`: the hung streams would hold it for its whole exit timeout),
-  which ends every in-flight stream, and started again with the same command (same ports, same config,
-  `RNGD_PD_SERVER_RESTARTS=<n>` in its environment); once ready the status is `ready` again.
-* **Bound it.** `RestartPolicy`: at most `max_restarts` restarts in `window_s` seconds, the k-th one in
-  the window `2 ** (k - 1)` seconds after the failure (capped at 30 s; the first at once); past that,
-  serve gives up with a message and exits 1 (status `failed`), so Kubernetes restarts the pod.
+* **Detect**, every `poll_s`: a stub of this tritonserver gone, defunct, replaced or stopped for
+  `StubWatch.stopped_s`; its "not healthy" log line; tritonserver exiting; or (`ProgressWatch`) a
+  model with requests pending whose execution count has not moved for `hang_s` (`--hang-timeout`).
+* **Say so at once**: the status file (`rngd_pd.wire.status`) turns to `recovering` with the reason
+  before anything else happens; the front end answers 503 from it.
+* **Recover**: after `grace_s`, stop tritonserver (SIGKILL after `stop_grace_s`), which ends every
+  in-flight stream, and start it again with the same command plus `RNGD_PD_SERVER_RESTARTS=<n>`;
+  once ready the status is `ready` again.
+* **Bound it**: `RestartPolicy`, at most `max_restarts` in `window_s` with exponential back-off; past
+  that the status is `failed` and serve exits 1.
 """
 
 from __future__ import annotations

@@ -9,13 +9,11 @@ orchestrator drives decode from its own thread), async BLS is unsupported in dec
 BLS stream cannot be cancelled by its caller. Concurrent decoupled BLS streams can also deadlock the
 stub (rngd_pd.stubs.pd_model), which is why pd reaches decode by gRPC even in its own server.
 
-One more, found the hard way (a stub crash under concurrent streams: `double free`, "Reference count
-error ... dtype 17 (O)"): when a BLS stream ends, the stub's stub-to-parent thread drops its reference
-to the response iterator *without holding the GIL*. If that is the last reference, the iterator's
-responses and their numpy arrays are freed there, racing every Python thread. So a finished iterator is
-kept alive (`RETIRED`) until a later blocking round trip through the same FIFO queue (`fenced`, around
-the request's `is_cancelled`) proves the stub has let go of it; the last reference then drops here,
-on a thread that holds the GIL.
+When a BLS stream ends, 2.51's stub drops its reference to the response iterator without holding the
+GIL, so that reference must never be the last: a finished iterator is kept (`RETIRED`) until a later
+blocking round trip through the same FIFO queue (`fenced`, around the request's `is_cancelled`) proves
+the stub has let go of it, and the last reference then drops on a thread that holds the GIL (the crash
+this prevents: docs/serving.md, "A finished BLS stream is freed without the GIL").
 """
 
 from __future__ import annotations

@@ -7,14 +7,10 @@ responses through the instance's one sender thread (`rngd_pd.stubs.sending`):
 or either by gRPC to another server when `prefill_url` / `decode_url` are set; `colocated` runs
 prefill and decode in one instance (ColocatedEngine), the baseline the benches compare pd with.
 
-Why decode is not reached by BLS here: Triton 2.51's stub deadlocks under concurrent decoupled BLS
-streams. A thread iterating a BLS stream wakes holding its iterator's mutex and waits for the GIL;
-the stub's thread that delivers BLS responses holds the iterator map's mutex and waits for that
-iterator's; a thread starting a new BLS stream (`exec(decoupled=True)`) holds the GIL and waits for
-the map's mutex (`ResponseIterator::Next`, `ProcessBLSResponseDecoupled`, `GetResponseIterator` in
-python_backend). It stalled `pd` in a 16-client soak; `bench/bls_deadlock.py` reproduces it with two
-small models, and shows the gRPC path under the same load. Prefill's BLS call returns one response
-and makes no iterator, so it stays BLS.
+Decode is not reached by decoupled BLS because Triton 2.51's stub deadlocks under concurrent decoupled
+BLS streams (the lock cycle and its reproduction, `bench/bls_deadlock.py`: docs/serving.md, "What
+Triton 2.51's Python backend really does"). Prefill's BLS call returns one response and makes no
+iterator, so it stays BLS.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The relay's frame format, shared by the server (relay.py) and the client (tcp.py).
+"""The relay's frame format, shared by the server (server.py) and the client (tcp.py).
 
 Every message starts with one fixed 32-byte header, network byte order:
 

@@ -6,8 +6,7 @@ payload is received straight into a preallocated buffer by one MSG_WAITALL `recv
 it by one `sendmsg` (no per-byte Python work, no StreamReader copies). Freed buffers are kept in a
 small pool so the next request's pages are already faulted. Threads rather than asyncio by
 measurement: an asyncio loop costs a wake-up per TCP segment (`sock_recv_into`) or a thread hand-off
-per blob (executor), and reached 0.3-0.4 x a raw loopback socket where this design reaches more
-(docs/kv.md has the figures).
+per blob (executor) (docs/kv.md, "Why threads, not asyncio", has the figures).
 Memory is capped (`max_bytes`: a PUT beyond it gets a capacity error), blobs nobody touches for
 `ttl_s` are dropped, and with a `secret` every connection must answer an HMAC challenge first.
 """

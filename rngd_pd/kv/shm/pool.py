@@ -1,6 +1,6 @@
 """The shm transport's storage pieces: a writer's pool of mapped slot files and a reader's map cache.
 
-Split from shm.py (which holds the protocol logic); see its docstring for the design.
+The protocol logic is in `rngd_pd.kv.shm.transport`; see its docstring for the design.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`shm` transport: same-host hand-off through files in /dev/shm, from a pool of pre-faulted slots.
 
-Writing into fresh tmpfs pages costs a page fault per 4 KiB (1-2 GB/s); overwriting pages that exist
-runs at memcpy speed, and through a mapping that already exists faster than `pwrite` (measured here:
-~9 GB/s against ~4 GB/s). So each writer keeps a pool of slot files, mapped once, that it reuses: a
+Writing into fresh tmpfs pages costs a page fault per 4 KiB; overwriting pages that exist runs at
+memcpy speed, and through a mapping that already exists faster than `pwrite` (the designs measured:
+docs/kv.md, "shm"). So each writer keeps a pool of slot files, mapped once, that it reuses: a
 push copies the blob (plus a 24-byte trailer with size and xxh3 checksum) into a free slot, then
 publishes it by hard-linking the slot to `keys/<key>/<index>` (a link appears atomically, after the
 slot is complete: a blob is visible only whole). A pull waits for that name, opens it and copies

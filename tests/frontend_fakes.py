@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 
 from rngd_pd.frontend.backend import GenerateRequest, TokenChunk, check_supported
+from rngd_pd.model.params import FinishReason
 
 SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Naïve café ünïcödé 🙂 END of script. "
 
@@ -73,12 +74,12 @@ class FakeBackend:
                 if self.eos_at is not None and i == self.eos_at:
                     if not req.params.ignore_eos:
                         done = True
-                        yield TokenChunk((self.eos,), "eos")
+                        yield TokenChunk((self.eos,), FinishReason.EOS)
                         return
                     tid = self.eos  # generated like any token, and generation goes on
                 last = i == n - 1
                 done = last
-                yield TokenChunk((tid,), "length" if last else None)
+                yield TokenChunk((tid,), FinishReason.LENGTH if last else None)
         finally:
             (self.finished if done else self.cancelled).append(req.request_id)
 

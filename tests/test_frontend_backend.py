@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import struct
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import deserialize_bytes_tensor
 
+from rngd_pd import errors
 from rngd_pd.frontend import backend as B
-from rngd_pd.frontend.api_errors import APIError
+from rngd_pd.frontend.api_errors import APIError, answer, from_domain_error
+from rngd_pd.frontend.schemas import AssistantMessage, ChatChoice, CompletionChoice
+from rngd_pd.model.params import FinishReason
 from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.wire.inputs import sampling_inputs
 
 PD_INPUTS = {
     "input_ids": "INT32",
@@ -90,3 +95,59 @@ def test_parse_tokens_reason_and_final_flag():
 def test_model_errors_map_to_statuses(message, status):
     err = B._model_error(message, "pd")
     assert err.status == status and message in err.message
+
+
+def test_request_encodes_sampling_as_the_wire_module_does():
+    """The front end and pd send the same bytes for the same SamplingParams (one encoder)."""
+    params = SamplingParams(max_tokens=9, temperature=0.25, top_p=0.5, top_k=7, seed=11)
+    info = B._ModelInfo({**PD_INPUTS, "ignore_eos": "BOOL"}, False)
+    got = _inputs(B._build_request("pd", B.GenerateRequest("r", [1], params), info))
+    for name, array in sampling_inputs(params).items():
+        assert got[name][2] == array.tobytes(), name
+
+
+def _rpc(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "status", "kind", "says"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "refused", 503, "backend_unavailable", "127.0.0.1:1 is not reachable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "", 503, "backend_unavailable", "(DEADLINE_EXCEEDED); retry"),
+        (grpc.StatusCode.NOT_FOUND, "no such model", 503, "backend_unavailable", "no such model"),
+        (grpc.StatusCode.INTERNAL, "unknown model 'pd'", 503, "backend_unavailable", "is not available"),
+        (grpc.StatusCode.CANCELLED, "stopping", 503, None, "cancelled the request: stopping"),
+        (grpc.StatusCode.INTERNAL, "boom", 502, "backend_error", "gRPC error INTERNAL: boom"),
+    ],
+)
+def test_grpc_errors_map_to_statuses(code, details, status, kind, says):
+    err = B._rpc_error(_rpc(code, details), B.TritonBackend("127.0.0.1:1", "pd"))
+    assert (err.status, err.code) == (status, kind) and says in err.message
+
+
+def test_one_table_answers_every_error():
+    """ConfigError and its kinds 400, busy 503, any other error of ours 502 (the serving side failed),
+    an exception that is not ours 500, wherever it was raised."""
+    assert answer(errors.ContextLengthError).status == answer(errors.TransportConfigError).status == 400
+    assert answer(errors.CapacityError("full")).status == 503
+    assert answer(errors.TransportCapacityError).status == answer(errors.ModelLoadError).status == 502
+    assert answer(KeyError).status == 500
+    local = from_domain_error(errors.TransportError("lost"))
+    remote = B._model_error("TransportError: lost", "pd")
+    assert (local.status, local.type, local.code) == (remote.status, remote.type, remote.code)
+    busy = from_domain_error(errors.CapacityError("decode queue is full"))
+    assert busy.status == 503 and busy.message == "decode queue is full; retry later"
+
+
+@pytest.mark.parametrize(
+    ("reason", "openai"),
+    [(FinishReason.LENGTH, "length"), (FinishReason.STOP, "stop"), (FinishReason.EOS, "stop")],
+)
+def test_finish_reasons_are_written_in_openai_spelling(reason, openai):
+    assert reason.openai == openai
+    assert f'"finish_reason":"{openai}"' in CompletionChoice(text="", finish_reason=reason).model_dump_json()
+    chat = ChatChoice(message=AssistantMessage(content="x"), finish_reason=reason)
+    assert chat.model_dump()["finish_reason"] == openai
+    assert '"finish_reason":null' in CompletionChoice(text="", finish_reason=None).model_dump_json()
+    assert B._finish_reason("") is None and B._finish_reason(str(reason)) is reason

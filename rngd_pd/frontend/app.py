@@ -12,7 +12,6 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -35,6 +34,7 @@ from rngd_pd.frontend.schemas import (
     ModelCard,
     ModelList,
 )
+from rngd_pd.frontend.state import FrontendState
 
 log = logging.getLogger("rngd_pd.frontend")
 _bearer = HTTPBearer(auto_error=False, description="Required when the server runs with --api-key")
@@ -46,28 +46,6 @@ _SSE_EVENT = {
     "required": ["data"],
 }
 _SSE_DOC = {"text/event-stream": {"schema": _SSE_EVENT, "example": "data: {...}\n\ndata: [DONE]\n\n"}}
-
-
-class Limiter:
-    """At most `limit` requests generating at once; the next one is refused (429), never queued."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.active = limit, 0
-
-    def acquire(self) -> None:
-        if self.active >= self.limit:
-            raise APIError(
-                429,
-                f"The server is at its limit of {self.limit} concurrent requests "
-                "(--max-concurrency); retry shortly",
-                type="rate_limit_error",
-                code="too_many_concurrent_requests",
-            )
-        self.active += 1
-
-    def release(self) -> None:
-        self.active -= 1
-
 
 # seed < 2**64 stated as the largest double below 2**64: JSON tools compare numbers as doubles, and
 # `exclusiveMaximum: 2**64` let them send 2**64 + 382 as valid (it rounds to 2**64 - 2048 or below).
@@ -93,34 +71,6 @@ class _StatusCounter:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-class FrontendState:
-    """What the request handlers share; one per app."""
-
-    def __init__(self, config: FrontendConfig, model: ServedModel, backend: Backend) -> None:
-        if config.max_model_len is not None and config.max_model_len < model.max_model_len:
-            model = replace(model, max_model_len=config.max_model_len)
-        self.config, self.model, self.backend = config, model, backend
-        self.checkpoint_limit = model.max_model_len  # the checkpoint's context, or --max-model-len
-        self.api_key = config.resolved_api_key()
-        self.limiter = Limiter(config.max_concurrency)
-        self.metrics = FrontendMetrics()
-        self.created = int(time.time())
-
-    async def context_model(self) -> ServedModel:
-        """The served model with the context limit Triton really serves: min(checkpoint's context,
-        the Triton model's `max_len`), so an over-long request gets the front end's 400 with the
-        lengths. Asked once and again after a Triton error; `--max-model-len` replaces the question.
-        """
-        if self.config.max_model_len is None:
-            served = await self.backend.max_len()
-            if served is not None:
-                limit = min(self.checkpoint_limit, served)
-                if limit != self.model.max_model_len:
-                    log.info("context limit %d (Triton model serves %d tokens)", limit, served)
-                    self.model = replace(self.model, max_model_len=limit)
-        return self.model
 
 
 def _state(request: Request) -> FrontendState:
@@ -263,7 +213,9 @@ def _tidy_openapi(app: FastAPI, secured: bool, state: FrontendState) -> None:
             _set_integer_bounds(
                 bodies["CompletionRequest"]["properties"]["prompt"], maximum=limits.vocab_size - 1
             )
-            for name in ("HTTPValidationError", "ValidationError"):
+            # FastAPI lists every enum a response names; finish_reason is documented in OpenAI's
+            # spelling (schemas.OpenAIFinish), so the enum of ours behind it is nowhere referenced
+            for name in ("HTTPValidationError", "ValidationError", "FinishReason"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema

@@ -1,10 +1,11 @@
 """The layer below the HTTP app: token ids in, streamed token ids out, over Triton's gRPC stream.
 
 `Backend` is what the app needs; `TritonBackend` implements it with one grpc.aio channel and one
-bidirectional `ModelStreamInfer` call per request (the protobufs are built here directly, so the
-empty final response can be requested and no per-token helper objects are made). Closing the
-generator before the final response (client gone, stop string matched) cancels the gRPC call, which
-Triton turns into a cancelled request that the decode engine drops from its slot.
+bidirectional `ModelStreamInfer` call per request. The request carries the tensor names of
+`rngd_pd.wire.tensors` and the values of `rngd_pd.wire.inputs.sampling_values`, each in the datatype
+the served model declares (`rngd_pd.wire.grpc_codec` builds the protobuf). Closing the generator
+before the final response (client gone, stop string matched) cancels the gRPC call, which Triton
+turns into a cancelled request that the decode engine drops from its slot.
 
 After the final response the call is never cancelled nor dropped (`rngd_pd.wire.grpc_codec.finish`:
 Triton 2.51 would otherwise keep the request's state and the model for good).
@@ -23,10 +24,12 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from rngd_pd import errors
-from rngd_pd.frontend.api_errors import APIError, BackendUnavailable, bad_request
-from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams
+from rngd_pd.frontend.api_errors import APIError, answer, bad_request
+from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams
 from rngd_pd.wire import grpc_codec as grpc_wire
+from rngd_pd.wire import tensors as T
 from rngd_pd.wire.grpc_codec import NP_DTYPES as _NP
+from rngd_pd.wire.inputs import sampling_values
 
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 META_TIMEOUT_S = 5.0
@@ -37,7 +40,7 @@ class TokenChunk:
     """One streamed response: its new tokens, and the finish reason on the last one."""
 
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # "length" | "stop" | "eos" on the final chunk
+    finish_reason: FinishReason | None = None  # set on the final chunk only
     received_at: float = 0.0  # time.perf_counter() when it arrived (0 = unknown)
 
 
@@ -62,7 +65,7 @@ class Backend(Protocol):
     def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Stream the request's tokens; the last chunk has finish_reason set.
 
-        Raises APIError (BackendUnavailable when Triton cannot be reached). Closing the iterator
+        Raises APIError (503 `backend_unavailable` when Triton cannot be reached). Closing the iterator
         early (aclose, or cancelling the task awaiting it) cancels the request on the server.
         """
 
@@ -122,7 +125,7 @@ class TritonBackend:
                 service_pb2.ModelConfigRequest(name=self.model), timeout=META_TIMEOUT_S
             )
             inputs = {t.name: t.datatype for t in meta.inputs}
-            for name in ("input_ids", "max_tokens"):
+            for name in (T.INPUT_IDS, T.MAX_TOKENS):
                 if name not in inputs:
                     raise APIError(
                         502,
@@ -219,91 +222,84 @@ def _int_param(config: model_config_pb2.ModelConfig, key: str) -> int | None:
 def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str]) -> None:
     """400 naming a requested extension the Triton model declares no input for: an `ignore_eos`
     that the model cannot receive must not be dropped silently (the caller counts on the length)."""
-    if params.ignore_eos and "ignore_eos" not in inputs:
-        raise bad_request(
-            f"'ignore_eos' is not supported by Triton model '{model}' (it declares no 'ignore_eos' input)",
+    if params.ignore_eos and T.IGNORE_EOS not in inputs:
+        raise bad_request(  # the request's parameter `ignore_eos`, the model's input T.IGNORE_EOS
+            f"'ignore_eos' is not supported by Triton model '{model}' "
+            f"(it declares no '{T.IGNORE_EOS}' input)",
             "ignore_eos",
             "unsupported_parameter",
         )
 
 
 def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> service_pb2.ModelInferRequest:
-    p = req.params
-    values: dict[str, object] = {
-        "input_ids": req.input_ids,
-        "max_tokens": [p.max_tokens],
-        "stream": [True],
-        "temperature": [p.temperature],
-        "top_p": [p.top_p],
-        "top_k": [p.top_k],
-    }
-    if p.seed is not None:
-        values["seed"] = [p.seed]
-    if p.stop:
-        values["stop"] = list(p.stop)
-    check_supported(model, p, info.inputs)
-    if p.ignore_eos:
-        values["ignore_eos"] = [True]
-    out = service_pb2.ModelInferRequest(model_name=model, id=req.request_id)
-    out.parameters["triton_enable_empty_final_response"].bool_param = True
+    """The streaming request for `req`: every input the model declares, in its declared datatype (an
+    optional sampling input the model does not declare keeps the model's default)."""
+    check_supported(model, req.params, info.inputs)
+    values = {T.INPUT_IDS: req.input_ids, T.STREAM: [True], **sampling_values(req.params)}
+    arrays = {name: _array(dtype, seq, info.batched)
+              for name, seq in values.items() if (dtype := info.inputs.get(name)) is not None}
+    out = grpc_wire.stream_request(model, arrays, request_id=req.request_id)
     if req.prefill_at:  # pd prefills this request there (rngd_pd.stubs.pd_model)
         out.parameters[PREFILLER_HEADER].string_param = req.prefill_at
-    for name, value in values.items():
-        dtype = info.inputs.get(name)
-        if dtype is None:
-            continue  # an optional sampling input the model does not declare keeps its default
-        seq = list(value)  # type: ignore[call-overload]
-        tensor = out.inputs.add(name=name, datatype=dtype)
-        tensor.shape.extend(([1] if info.batched else []) + [len(seq)])
-        out.raw_input_contents.append(_pack(dtype, seq))
     return out
 
 
-def _pack(dtype: str, seq: list) -> bytes:
+def _array(dtype: str, seq: list, batched: bool) -> np.ndarray:
+    """Values as the tensor the model declares: its datatype, and a batch dimension of 1 if batched."""
     if dtype == "BYTES":
-        return grpc_wire.pack_bytes(seq)
-    if dtype not in _NP:
+        array = np.array(seq, dtype=np.object_)
+    elif dtype in _NP:
+        array = np.asarray(seq, dtype=_NP[dtype])
+    else:
         raise APIError(502, f"unsupported Triton input datatype {dtype}", type="server_error")
-    return np.asarray(seq, dtype=_NP[dtype]).tobytes()
+    return array.reshape(1, -1) if batched else array
 
 
 def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tuple[TokenChunk, bool]:
     ids: tuple[int, ...] = ()
     reason = None
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
-        if out.name == "output_ids":
+        if out.name == T.OUTPUT_IDS:
             ids = tuple(np.frombuffer(raw, dtype=_NP.get(out.datatype, np.int32)).tolist())
-        elif out.name == "finish_reason":
-            reason = b"".join(grpc_wire.unpack_bytes(raw)[:1]).decode() or None
+        elif out.name == T.FINISH_REASON:
+            reason = _finish_reason(b"".join(grpc_wire.unpack_bytes(raw)[:1]).decode())
     return TokenChunk(ids, reason, received_at), grpc_wire.is_final(resp)
 
 
+def _finish_reason(text: str) -> FinishReason | None:
+    """The reason a response gives; "" = not finished. A reason this package does not name (a model
+    of someone else's) still ends the request, as the natural end OpenAI calls "stop"."""
+    if not text:
+        return None
+    try:
+        return FinishReason(text)
+    except ValueError:
+        return FinishReason.STOP
+
+
 def _model_error(message: str, model: str) -> APIError:
-    """An error response from the model: the request's fault (400), busy (503) or the server's (502)."""
+    """An error response from the model, answered as `ERROR_STATUS` says for its type; where the
+    serving side failed (502), the message names the model."""
     err = errors.from_wire(message)
-    if isinstance(err, errors.ConfigError):
-        return bad_request(message)
-    if isinstance(err, errors.CapacityError):
-        return APIError(503, f"{message}; retry later", type="service_unavailable", code="server_busy")
-    return APIError(
-        502, f"Triton model '{model}' failed: {message}", type="server_error", code="backend_error"
-    )
+    if answer(err) == answer(errors.RngdPdError):  # neither the request's fault nor a busy server
+        message = f"Triton model '{model}' failed: {message}"
+    return APIError.of(err, message)
 
 
 def _rpc_error(exc: grpc.aio.AioRpcError, backend: TritonBackend) -> APIError:
+    """A failed gRPC call, answered as `ERROR_STATUS` says for its status code."""
     backend._info = None  # re-read the model's metadata once Triton is back
-    if exc.code() in _UNREACHABLE:
-        return BackendUnavailable(
-            f"Triton at {backend.url} is not reachable ({exc.code().name}); retry later"
-        )
-    details = exc.details() or ""
-    if "unknown model" in details or "not ready" in details or exc.code() == grpc.StatusCode.NOT_FOUND:
-        return BackendUnavailable(f"Triton model '{backend.model}' is not available: {details}")
-    if exc.code() == grpc.StatusCode.CANCELLED:
-        return APIError(503, f"Triton cancelled the request: {details}", type="service_unavailable")
-    return APIError(
-        502, f"Triton gRPC error {exc.code().name}: {details}", type="server_error", code="backend_error"
-    )
+    code, details = exc.code(), exc.details() or ""
+    if code in _UNREACHABLE:
+        message = f"Triton at {backend.url} is not reachable ({code.name}); retry later"
+    elif "unknown model" in details or "not ready" in details or code == grpc.StatusCode.NOT_FOUND:
+        code = grpc.StatusCode.NOT_FOUND  # Triton may say so in words only, under another code
+        message = f"Triton model '{backend.model}' is not available: {details}"
+    elif code == grpc.StatusCode.CANCELLED:
+        message = f"Triton cancelled the request: {details}"
+    else:
+        message = f"Triton gRPC error {code.name}: {details}"
+    return APIError.of(code, message)
 
 
 async def wait_ready(backend: Backend, timeout: float) -> str | None:

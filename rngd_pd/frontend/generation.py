@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from rngd_pd.frontend.backend import Backend, GenerateRequest
 from rngd_pd.frontend.prompts import TokenizerLike
+from rngd_pd.model.params import FinishReason
 from rngd_pd.model.stopping import StopChecker
 
 
@@ -49,7 +50,7 @@ class TextGeneration:
         self._eos = frozenset(() if req.params.ignore_eos else tokenizer.eos_token_ids)
         self.prompt_tokens = len(req.input_ids)
         self.completion_tokens = 0
-        self.finish_reason: str | None = None  # OpenAI's: "stop" | "length"
+        self.finish_reason: FinishReason | None = None  # None until it ends (OpenAI's: `.openai`)
         self.timing = Timing() if arrival is None else Timing(start=arrival)
         self.sent_at: float | None = None  # when the Triton request went out (after preprocessing)
         self.chunk_at = 0.0  # arrival of the chunk behind the text last yielded
@@ -68,13 +69,11 @@ class TextGeneration:
                 if chunk.token_ids:
                     self.timing.last_token = now
                 if stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason = FinishReason.STOP
                 elif chunk.finish_reason:
                     tail, stopped = self._stop.push(self._decoder.flush())
                     text += tail + self._stop.flush()
-                    self.finish_reason = (
-                        "length" if chunk.finish_reason == "length" and not stopped else "stop"
-                    )
+                    self.finish_reason = FinishReason.STOP if stopped else chunk.finish_reason
                 if text:
                     yield text
                 if self.finish_reason:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,11 +32,9 @@ from rngd_pd.frontend.schemas import (
     Usage,
     _GenerationRequest,
 )
+from rngd_pd.frontend.state import FrontendState
 from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
-from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams, prefiller_address
-
-if TYPE_CHECKING:
-    from rngd_pd.frontend.app import FrontendState
+from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams, prefiller_address
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody receives it
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -54,7 +52,7 @@ class Frames:
     def delta(self, text: str) -> bytes:
         raise NotImplementedError
 
-    def final(self, reason: str) -> bytes:
+    def final(self, reason: FinishReason) -> bytes:
         raise NotImplementedError
 
     def usage(self, usage: Usage) -> bytes:
@@ -79,8 +77,8 @@ class CompletionFrames(Frames):
     def delta(self, text: str) -> bytes:
         return self._chunk([CompletionChoice(text=text, finish_reason=None)])
 
-    def final(self, reason: str) -> bytes:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])  # type: ignore[arg-type]
+    def final(self, reason: FinishReason) -> bytes:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
@@ -100,8 +98,8 @@ class ChatFrames(Frames):
     def delta(self, text: str) -> bytes:
         return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
 
-    def final(self, reason: str) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])  # type: ignore[arg-type]
+    def final(self, reason: FinishReason) -> bytes:
+        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
@@ -118,7 +116,9 @@ def _check_model(state: FrontendState, name: str) -> None:
 
 
 def _sampling(body: _GenerationRequest, max_tokens: int) -> SamplingParams:
-    params = SamplingParams(
+    """The request's SamplingParams, built (and so checked) here once: the typed object goes on to the
+    backend, which only encodes it."""
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -127,8 +127,6 @@ def _sampling(body: _GenerationRequest, max_tokens: int) -> SamplingParams:
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
     )
-    params.validate()
-    return params
 
 
 def _usage(gen: TextGeneration) -> Usage:
@@ -168,7 +166,7 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
     text = await _collect(state, request, gen)
     if text is None:
         return Response(status_code=CLIENT_CLOSED)
-    choice = CompletionChoice(text=(echo or "") + text, finish_reason=gen.finish_reason)  # type: ignore[arg-type]
+    choice = CompletionChoice(text=(echo or "") + text, finish_reason=gen.finish_reason)
     return CompletionResponse(
         id=rid, created=int(time.time()), model=body.model, choices=[choice], usage=_usage(gen)
     )
@@ -273,7 +271,7 @@ async def _stream(
             yield sse(exc.body())
             yield DONE
             return
-        yield frames.final(gen.finish_reason or "stop")
+        yield frames.final(gen.finish_reason or FinishReason.STOP)
         if include_usage:
             yield frames.usage(_usage(gen))
         yield DONE

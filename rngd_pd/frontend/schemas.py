@@ -8,10 +8,20 @@ parameter, and unknown parameters are refused (`extra="forbid"`), so nothing is 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from rngd_pd.model.params import FinishReason, OpenAIFinishReason
 
 UNSUPPORTED_CODE = "unsupported_parameter"
 MAX_STOP_STRINGS = 16
@@ -189,7 +199,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # ---- responses -------------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+OpenAIFinish = Annotated[
+    FinishReason,
+    PlainValidator(FinishReason),  # not the enum's own schema: the field keeps its title
+    PlainSerializer(lambda reason: reason.openai, return_type=OpenAIFinishReason),
+    WithJsonSchema({"enum": list(get_args(OpenAIFinishReason)), "type": "string"}),
+]
+"""Why a choice ended: the one enum, written and documented in OpenAI's spelling only."""
 
 
 class Usage(BaseModel):
@@ -202,7 +218,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
-    finish_reason: FinishReason | None
+    finish_reason: OpenAIFinish | None
 
 
 class CompletionResponse(BaseModel):
@@ -223,7 +239,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: FinishReason
+    finish_reason: OpenAIFinish
 
 
 class ChatCompletionResponse(BaseModel):
@@ -244,7 +260,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: OpenAIFinish | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,7 +1,10 @@
 """What a request asks of generation: `SamplingParams` and the finish reasons.
 
-Torch-free, so the OpenAI front end (a gateway pod without weights) can validate and forward
-requests without importing torch; `rngd_pd.model.sampling` re-exports these names.
+A `SamplingParams` is valid by construction: each process builds it once at its edge (the front end
+from the HTTP body, a stub from its input tensors through `rngd_pd.wire.inputs`) and carries the typed
+object inward, so nothing further in needs to check it again. Torch-free, so the OpenAI front end (a
+gateway pod without weights) can build and forward it without importing torch;
+`rngd_pd.model.sampling` re-exports these names.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from rngd_pd.errors import ConfigError
 
@@ -28,9 +32,14 @@ def prefiller_address(value: str) -> str:
     return f"{host}:{int(port)}"
 
 
+OpenAIFinishReason = Literal["stop", "length"]
+"""The finish reasons OpenAI's API answers with (of its set, the ones this server can end with)."""
+
+
 class FinishReason(StrEnum):
     """Why a request ended: the one set of names every part uses (engine events, the `finish_reason`
-    tensor of decode / pd / llm, the front end); a StrEnum, so each is also its wire string."""
+    tensor of decode / pd / llm, the front end); a StrEnum, so each is also its wire string. A request
+    that has not finished has no reason: None, never a member."""
 
     LENGTH = "length"        # max_tokens reached
     STOP = "stop"            # a stop string matched
@@ -38,10 +47,16 @@ class FinishReason(StrEnum):
     CANCELLED = "cancelled"  # the client (or pd, after a failure) cancelled it
     ERROR = "error"          # it failed; the error travels with it
 
+    @property
+    def openai(self) -> OpenAIFinishReason:
+        """OpenAI's spelling: "length" when max_tokens ended the request, "stop" for every other end
+        (OpenAI's "stop" is any natural end: an EOS token as much as a stop string)."""
+        return "length" if self is FinishReason.LENGTH else "stop"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler; `validate()` before use."""
+    """What one request asks of the sampler; checked when built (ConfigError naming the bad parameter)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -51,8 +66,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad parameter (a request must not reach the engine)."""
+        """Raise ConfigError naming the first bad parameter (a request must not reach the engine).
+        Construction calls it, so an existing SamplingParams has passed it."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not self.temperature >= 0:

@@ -27,8 +27,7 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams, first_step: int = 0) -> None:
-        params.validate()
-        self.params = params
+        self.params = params  # valid by construction (rngd_pd.model.params)
         self.step = first_step
         self.generator = torch.Generator()
         self._base = params.seed if params.seed is not None else int(self.generator.seed())

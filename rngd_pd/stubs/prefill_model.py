@@ -6,7 +6,6 @@ transport as soon as it is computed (`KVSender` as the engine's on_layer hook), 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,7 +90,7 @@ class PrefillModel:
             if not key:
                 raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
             # prefill samples one token; decode checks the real max_tokens against the context
-            params = dataclasses.replace(inputs.sampling_params(get, require_max_tokens=False), max_tokens=1)
+            params = inputs.sampling_params(get, max_tokens=1)
             ids = inputs.token_ids(get)
             handle, push_s, cached = self.service.prefill(key, ids, params)
         except Exception as exc:

@@ -1,9 +1,12 @@
 """Request inputs <-> Python values, shared by every model that samples and by the orchestrator.
 
 Sampling inputs arrive as optional Triton tensors; `sampling_params` turns whatever was sent into one
-validated `SamplingParams` (a bad value is a ConfigError naming the input), and `sampling_inputs` turns it
-back into tensors for the next hop (pd -> prefill / decode), so the three models read the same thing.
-Errors that crossed Triton as text come back as our own exception types through `errors.from_wire`.
+`SamplingParams` (the edge of a stub: a bad value is a ConfigError naming the input), and
+`sampling_values` is the one encoder back: the values that carry it to a model, by input name. It feeds
+`sampling_inputs` (numpy arrays in the dtypes of `rngd_pd.wire.tensors`, for pd's next hop to prefill /
+decode) and the front end (which sends each value in the dtype its Triton model declares), so every
+model reads the same thing. Errors that crossed Triton as text come back as our own exception types
+through `errors.from_wire`.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from collections.abc import Callable
 import numpy as np
 
 from rngd_pd import errors
-from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.model.params import SamplingParams
 from rngd_pd.wire import tensors as T
 
 Getter = Callable[[str], "np.ndarray | None"]
+_DTYPES = {t.name: t.numpy_dtype for t in T.GENERATION_INPUTS}  # what sampling_inputs sends
 
 
 def new_key() -> str:
@@ -33,15 +37,17 @@ def _scalar(get: Getter, name: str) -> object | None:
     return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
-def sampling_params(get: Getter, *, require_max_tokens: bool = True) -> SamplingParams:
-    """SamplingParams from optional tensors (`get(name)` returns the numpy array or None); validated."""
+def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingParams:
+    """SamplingParams from optional tensors (`get(name)` returns the numpy array or None); building it
+    checks it (ConfigError naming the bad input). `max_tokens` given: that many, and the required
+    input of that name is not read (prefill samples one token, whatever the request asks)."""
     values: dict[str, object] = {}
-    max_tokens = _scalar(get, T.MAX_TOKENS)
-    if max_tokens is None and require_max_tokens:
+    requested = _scalar(get, T.MAX_TOKENS) if max_tokens is None else max_tokens
+    if requested is None:
         raise errors.ConfigError(f"input {T.MAX_TOKENS!r} is required (INT32 [1], at least 1)")
     for name, cast in ((T.MAX_TOKENS, int), (T.TEMPERATURE, float), (T.TOP_P, float), (T.TOP_K, int),
                        (T.SEED, int)):
-        value = max_tokens if name == T.MAX_TOKENS else _scalar(get, name)
+        value = requested if name == T.MAX_TOKENS else _scalar(get, name)
         if value is not None:
             values[name] = cast(value)  # type: ignore[operator]
     stop = get(T.STOP)
@@ -50,26 +56,31 @@ def sampling_params(get: Getter, *, require_max_tokens: bool = True) -> Sampling
                                for s in stop.reshape(-1) if s not in (b"", ""))
     if _scalar(get, T.IGNORE_EOS):
         values["ignore_eos"] = True
-    params = SamplingParams(**values)  # type: ignore[arg-type]
-    params.validate()
-    return params
+    return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def sampling_values(params: SamplingParams, *, with_max_tokens: bool = True) -> dict[str, list]:
+    """The values of the inputs that carry `params` to a model, by input name: temperature, top_p and
+    top_k always, seed, ignore_eos and stop only when set (stop strings as UTF-8 bytes)."""
+    out: dict[str, list] = {}
+    if with_max_tokens:
+        out[T.MAX_TOKENS] = [params.max_tokens]
+    out[T.TEMPERATURE] = [params.temperature]
+    out[T.TOP_P] = [params.top_p]
+    out[T.TOP_K] = [params.top_k]
+    if params.seed is not None:
+        out[T.SEED] = [params.seed]
+    if params.ignore_eos:
+        out[T.IGNORE_EOS] = [True]
+    if params.stop:
+        out[T.STOP] = [s.encode("utf-8") for s in params.stop]
+    return out
 
 
 def sampling_inputs(params: SamplingParams, *, with_max_tokens: bool = True) -> dict[str, np.ndarray]:
-    """The tensors that carry `params` to another model (only what differs from the defaults)."""
-    out: dict[str, np.ndarray] = {}
-    if with_max_tokens:
-        out[T.MAX_TOKENS] = np.array([params.max_tokens], np.int32)
-    out[T.TEMPERATURE] = np.array([params.temperature], np.float32)
-    out[T.TOP_P] = np.array([params.top_p], np.float32)
-    out[T.TOP_K] = np.array([params.top_k], np.int32)
-    if params.seed is not None:
-        out[T.SEED] = np.array([params.seed], np.uint64)
-    if params.ignore_eos:
-        out[T.IGNORE_EOS] = np.array([True])
-    if params.stop:
-        out[T.STOP] = np.array([s.encode("utf-8") for s in params.stop], dtype=np.object_)
-    return out
+    """`sampling_values` as the tensors our models declare (`rngd_pd.wire.tensors`' dtypes)."""
+    return {name: np.array(values, _DTYPES[name])
+            for name, values in sampling_values(params, with_max_tokens=with_max_tokens).items()}
 
 
 def token_ids(get: Getter, name: str = T.INPUT_IDS) -> list[int]:

@@ -16,16 +16,27 @@ the KV is released; keys cancelled before their start request arrives are rememb
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.devices.runtime import as_runtime
+from rngd_pd.engine.decode import DecodeEngine
+from rngd_pd.engine.local_prefill import Threshold, measure
+from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.request import DecodeRequest, TokenEvent
 from rngd_pd.kv.handle import KVSpec
 from rngd_pd.kv.handoff import KVReceiver
 from rngd_pd.model.params import FinishReason
 from rngd_pd.model.sampling import SamplingParams
+from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
+from rngd_pd.stubs.sending import ResponseLoop
+from rngd_pd.stubs.serving import DecodeParams, getter, load_for, model_params, transport_for
+from rngd_pd.wire import inputs
+from rngd_pd.wire import tensors as T
 
 Emit = Callable[[list[int], str, "BaseException | None"], None]  # (new ids, finish reason, error)
 IN_FLIGHT = "airm_decode_requests_in_flight"
@@ -45,12 +56,6 @@ class DecodeService:
                  on_kv: Callable[[float], None] | None = None, local_prefill_tokens: int = 0) -> None:
         """local_prefill_tokens: the prompt length up to which pd should send prompts here to be
         prefilled locally (-1: measure it now, rngd_pd.engine.local_prefill; 0: never)."""
-        import threading
-
-        from rngd_pd.devices.runtime import as_runtime
-        from rngd_pd.engine.decode import DecodeEngine
-        from rngd_pd.engine.local_prefill import Threshold, measure
-        from rngd_pd.engine.prefill import PrefillEngine
 
         runtime = as_runtime(loaded)  # serving.load_for's DeviceRuntime, or a LoadedModel for the CPU
         loaded = runtime.loaded
@@ -160,8 +165,6 @@ class DecodeService:
 
     def load(self) -> Any:
         """The endpoint picker's view: queued, holding a slot, slots in use over all slots."""
-        from rngd_pd.stubs.metrics import Load
-
         s = self.stats()
         return Load(s["queued"], s["loading"] + s["active"], 1.0 - s["free_slots"] / s["num_slots"])
 
@@ -176,11 +179,6 @@ class DecodeModel:
     queue them."""
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.stubs import pbutils
-        from rngd_pd.stubs.metrics import load_gauges, triton_metrics
-        from rngd_pd.stubs.sending import ResponseLoop
-        from rngd_pd.stubs.serving import DecodeParams, load_for, model_params, transport_for
-
         p = model_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
@@ -202,11 +200,6 @@ class DecodeModel:
             self._one(request)
 
     def _one(self, request: Any) -> None:
-        from rngd_pd.stubs import pbutils
-        from rngd_pd.stubs.serving import getter
-        from rngd_pd.wire import inputs
-        from rngd_pd.wire import tensors as T
-
         stream = self.responses.open(request, T.DECODE)
         try:
             key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
@@ -240,16 +233,12 @@ class DecodeModel:
         "cancelled", not an error: after a client cancelled pd's request, Triton 2.51 never delivered
         decode's final *error* response to pd's BLS stream (a plain one arrives), and pd's thread
         waiting on that stream stayed parked for good, one per cancelled request."""
-        from rngd_pd.wire import tensors as T
-
         if isinstance(exc, errors.RequestCancelled):
             stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.CANCELLED}, final=True)
         else:
             stream.fail(exc)
 
     def _emitter(self, stream: Any) -> Emit:
-        from rngd_pd.wire import tensors as T
-
         def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
             if error is not None:
                 self._fail(stream, error)

@@ -15,16 +15,22 @@ iterator, so it stays BLS.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, RunStats, context_len
+from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
+from rngd_pd.engine.workers import RequestPool
+from rngd_pd.host.stubs import SiblingWatch
 from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.stubs import pbutils
-from rngd_pd.stubs.sending import Stream
-from rngd_pd.stubs.serving import getter
+from rngd_pd.stubs.clients import RETIRED, BlsClient, GrpcClient, local_grpc_url
+from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
+from rngd_pd.stubs.sending import ResponseLoop, Stream
+from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, load_for, model_params
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
@@ -40,10 +46,6 @@ class _GenerationModel:
                       fence: Callable[[Callable[[], None]], Any] | None = None,
                       idle: Callable[[], Any] | None = None,
                       health: Callable[[], BaseException | None] | None = None) -> None:
-        from rngd_pd.engine.workers import RequestPool
-        from rngd_pd.stubs.metrics import triton_metrics
-        from rngd_pd.stubs.sending import ResponseLoop
-
         self.name = args.get("model_name", self.name)
         self.spec = spec_for(self.name if self.name in ("pd", "colocated") else "pd")
         self.metrics = triton_metrics(self.name)
@@ -93,8 +95,6 @@ class _GenerationModel:
     def load(self) -> Any:
         """The endpoint picker's view of this model: queued and running requests (the KV is on
         the decode servers)."""
-        from rngd_pd.stubs.metrics import Load
-
         n = self.pool.in_flight()
         return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
 
@@ -118,11 +118,6 @@ class PdModel(_GenerationModel):
     name = "pd"
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.engine.orchestrator import Orchestrator
-        from rngd_pd.host.stubs import SiblingWatch
-        from rngd_pd.stubs.clients import RETIRED, BlsClient, GrpcClient
-        from rngd_pd.stubs.serving import PdParams, model_params
-
         p = model_params(PdParams, args)
         prefill = GrpcClient(p.prefill_url) if p.prefill_url else BlsClient()
         decode = GrpcClient(p.decode_url) if p.decode_url else _local_decode_client(p.decode_via)
@@ -137,7 +132,6 @@ class PdModel(_GenerationModel):
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
                                          local_prefill_when=p.local_prefill_when, connect=GrpcClient)
-        from rngd_pd.stubs.metrics import load_gauges
 
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
 
@@ -146,8 +140,6 @@ class PdModel(_GenerationModel):
         return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
 
     def finalize(self) -> None:
-        from rngd_pd.stubs.clients import RETIRED
-
         super().finalize()
         self.orchestrator.close()
         RETIRED.drain()
@@ -156,8 +148,6 @@ class PdModel(_GenerationModel):
 def _local_decode_client(via: str) -> Any:
     """The client for a decode in this server: its own gRPC endpoint (module docstring), or BLS when
     asked for or when this server serves no plain gRPC (said in the log, with the fix)."""
-    from rngd_pd.stubs.clients import BlsClient, GrpcClient, local_grpc_url
-
     if via == "bls":
         pbutils.log("pd reaches decode by BLS (decode_via=bls), which can deadlock under concurrent "
                     "load in Triton 2.51 (docs/serving.md)", "warn")
@@ -178,9 +168,6 @@ class ColocatedModel(_GenerationModel):
     name = "colocated"
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.engine.colocated import ColocatedEngine
-        from rngd_pd.stubs.serving import ColocatedParams, load_for, model_params
-
         p = model_params(ColocatedParams, args)
         self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, p.kv_dtype,
                                       p.chunk_size or None, **p.prefix_kwargs())
@@ -188,11 +175,7 @@ class ColocatedModel(_GenerationModel):
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
-        import time
-
-        from rngd_pd.wire.inputs import new_key
-
-        stats = RunStats(new_key(), time.monotonic())
+        stats = RunStats(inputs.new_key(), time.monotonic())
         out = ChunkEmitter(stream, emit, context_len(params.stop))
         events = self.engine.stream(ids, params, key=stats.key)
         try:

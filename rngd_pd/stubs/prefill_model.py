@@ -10,11 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.devices.runtime import as_runtime
+from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.kv.handle import KVHandle, KVSpec
 from rngd_pd.kv.handoff import KVSender
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.stubs import pbutils
-from rngd_pd.stubs.serving import getter
+from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
+from rngd_pd.stubs.serving import PrefillParams, getter, load_for, model_params, transport_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 
@@ -25,9 +28,6 @@ class PrefillService:
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
                  max_len: int | None = None, prefix_cache_bytes: int = 0, prefix_block: int = 32) -> None:
         """loaded: a DeviceRuntime (serving.load_for), or a LoadedModel to run on the CPU."""
-        from rngd_pd.devices.runtime import as_runtime
-        from rngd_pd.engine.prefill import PrefillEngine
-
         self.runtime = as_runtime(loaded)
         self.loaded, self.transport, self.kv_dtype = self.runtime.loaded, transport, kv_dtype
         self.engine = PrefillEngine(self.runtime, kv_dtype, chunk_size or None, max_context=max_len,
@@ -52,9 +52,6 @@ class PrefillModel:
     """Triton adapter: one response per request (not decoupled)."""
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.stubs.metrics import load_gauges, triton_metrics
-        from rngd_pd.stubs.serving import PrefillParams, load_for, model_params, transport_for
-
         p = model_params(PrefillParams, args)
         self.transport_name = p.kv_transport
         self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
@@ -67,8 +64,6 @@ class PrefillModel:
     def load(self) -> Any:
         """The endpoint picker's view: requests of this batch not started yet, the one running (a
         prefill holds no KV once it is handed over)."""
-        from rngd_pd.stubs.metrics import Load
-
         return Load(self._waiting, self._running)
 
     def execute(self, requests: list) -> list:

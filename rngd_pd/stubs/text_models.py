@@ -24,8 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.model.checkpoint import load_tokenizer as load
 from rngd_pd.model.stopping import first_stop, held_suffix_len
 from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.serving import TextParams, model_params
 from rngd_pd.wire import tensors as T
 
 CONTEXT_IDS = T.CONTEXT_IDS
@@ -39,8 +41,6 @@ def spec_for(name: str) -> T.ModelSpec:
 
 def load_tokenizer(path: str | None) -> Any:
     """The checkpoint's tokenizer without its weights (embedded model when path is None or empty)."""
-    from rngd_pd.model.checkpoint import load_tokenizer as load
-
     return load(path or None)[1]
 
 
@@ -72,8 +72,6 @@ class _TokenizerModel:
     """What pre- and postprocess share: the checkpoint's tokenizer, one response per request."""
 
     def initialize(self, args: dict) -> None:
-        from rngd_pd.stubs.serving import TextParams, model_params
-
         self.tokenizer = load_tokenizer(model_params(TextParams, args).model_path)
 
     def execute(self, requests: list) -> list:

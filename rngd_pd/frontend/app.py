@@ -34,7 +34,10 @@ from rngd_pd.frontend.schemas import (
     ModelCard,
     ModelList,
 )
+from rngd_pd.frontend.served_model import load_served_model
 from rngd_pd.frontend.state import FrontendState
+from rngd_pd.frontend.supervised import SupervisedBackend
+from rngd_pd.wire.status import StatusReader
 
 log = logging.getLogger("rngd_pd.frontend")
 _bearer = HTTPBearer(auto_error=False, description="Required when the server runs with --api-key")
@@ -93,15 +96,10 @@ def create_app(
     """The ASGI app. `model` (tokenizer + limits) and `backend` default to the real ones from `config`."""
     config.validate()
     if model is None:
-        from rngd_pd.frontend.served_model import load_served_model
-
         model = load_served_model(config)
     backend = backend or TritonBackend(config.triton_url, config.triton_model)
     status = None
     if config.server_status:  # under `rngd-pd serve`: its status file says ready first
-        from rngd_pd.frontend.supervised import SupervisedBackend
-        from rngd_pd.wire.status import StatusReader
-
         status = StatusReader(config.server_status)
         backend = SupervisedBackend(backend, status)
     state = FrontendState(config, model, backend)

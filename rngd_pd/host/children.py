@@ -6,8 +6,10 @@ Stdlib only: the RNGD environment (`.venv-rngd`, another torch) imports it too.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import subprocess
 from typing import Any
 
 _orphan_watch: Any = None  # the watcher's subprocess.Popen
@@ -17,8 +19,6 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """A subprocess preexec_fn (Linux): the kernel sends the child `sig` when its starter dies, so a
     killed test or a caller killed by its own timeout leaves nothing running."""
     with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
@@ -51,7 +51,6 @@ def exit_when_orphaned(poll_s: float = 1.0) -> None:
     global _orphan_watch
     if _orphan_watch is not None:
         return
-    import subprocess
 
     me = os.getpid()
     _orphan_watch = subprocess.Popen(

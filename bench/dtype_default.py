@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench.pd_overhead import model_copy, stream_times, summarize, unique_prompts  # noqa: E402
-from rngd_pd.config.params import COMPUTE_DTYPES as DTYPES  # noqa: E402
+from rngd_pd.config.dtypes import COMPUTE_CHOICES as DTYPES  # noqa: E402
 
 LIMIT = 1.2
 
@@ -52,12 +52,12 @@ def chosen(log: str, model: str) -> str:
 
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A row per dtype, and auto's row (with its ratios to the faster forced dtype and `ok`)."""
-    from rngd_pd.config.params import ENV_DTYPE
+    from rngd_pd.config.env import RNGD_PD_DTYPE
     from rngd_pd.config.settings import param_env
     from rngd_pd.model.checkpoint import open_checkpoint
     from rngd_pd.serve.server import ServerConfig, TritonServer
 
-    for name in (ENV_DTYPE, param_env("dtype")):
+    for name in (RNGD_PD_DTYPE.name, param_env("dtype")):
         os.environ.pop(name, None)
     vocab = open_checkpoint(None).config().vocab_size  # the prompts' id range; no weights needed
     with contextlib.ExitStack() as stack:

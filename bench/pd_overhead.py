@@ -216,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also `pd_bls`: pd reaching decode by BLS (decode_via=bls), its former path")
     args = parser.parse_args(argv)
 
-    from rngd_pd.config.params import ENV_DTYPE
+    from rngd_pd.config.env import RNGD_PD_DTYPE
     from rngd_pd.devices.cpu_features import choose_compute_dtype
     from rngd_pd.model import load_model
 
     # the bare engine computes in the dtype the served models use: $RNGD_PD_DTYPE, else auto resolved
     # the way the models resolve it (bf16 where this CPU has native bf16, else fp32)
-    choice = choose_compute_dtype(os.environ.get(ENV_DTYPE) or None, source=f"${ENV_DTYPE}")
+    choice = choose_compute_dtype(RNGD_PD_DTYPE.raw(), source=f"${RNGD_PD_DTYPE.name}")
     print(f"compute dtype {choice.dtype} ({choice.reason})", file=sys.stderr)
     import torch
 

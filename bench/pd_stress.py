@@ -216,7 +216,7 @@ def dump_stubs(server_pid: int, timeout_s: float = 60.0) -> str:
 def _run(args: argparse.Namespace, run: int, prompts: list[str],
          ids: list[list[int]]) -> tuple[list[dict], str, str]:
     """(rows, server log text, error) of one run with a fresh relay and server, both stopped at its end."""
-    from rngd_pd.config.params import ENV_DECODE_URL, ENV_DECODE_VIA, ENV_PREFILL_URL
+    from rngd_pd.config.env import RNGD_PD_DECODE_URL, RNGD_PD_DECODE_VIA, RNGD_PD_PREFILL_URL
     from rngd_pd.errors import RngdPdError
     from rngd_pd.kv.relay.proc import start_relay
     from rngd_pd.serve.server import ServerConfig, TritonServer, free_port
@@ -235,10 +235,10 @@ def _run(args: argparse.Namespace, run: int, prompts: list[str],
                 env = transport_env(args.transport, shm, relay)
                 grpc_port = free_port("127.0.0.1")
                 if args.decode_by == "url":
-                    env[ENV_DECODE_URL] = f"127.0.0.1:{grpc_port}"
-                env[ENV_DECODE_VIA] = "bls" if args.decode_by == "bls" else "grpc"
+                    env[RNGD_PD_DECODE_URL.name] = f"127.0.0.1:{grpc_port}"
+                env[RNGD_PD_DECODE_VIA.name] = "bls" if args.decode_by == "bls" else "grpc"
                 if args.prefill_by == "grpc":
-                    env[ENV_PREFILL_URL] = f"127.0.0.1:{grpc_port}"
+                    env[RNGD_PD_PREFILL_URL.name] = f"127.0.0.1:{grpc_port}"
                 env["RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS"] = str(args.local_prefill)
                 env["RNGD_PD_PARAM_LOCAL_PREFILL_WHEN"] = "always"  # by length: both paths every round
                 cfg = ServerConfig(ROOT / "model_repository", "cpu", http_port=0, grpc_port=grpc_port,

@@ -41,7 +41,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from rngd_pd.config.params import ENV_KV_TRANSPORT, param_env
+from rngd_pd.config.env import AIRM_KV_TRANSPORT, AIRM_METRICS_PORT
+from rngd_pd.config.settings import param_env
 from rngd_pd.errors import ConfigError
 from rngd_pd.kv.registry import known_names, load_transport, transport_class
 
@@ -50,7 +51,7 @@ __all__ = ["KINDS", "build_command", "known_names", "load_transport", "run"]
 KINDS = {"prefill": "prefill", "decode": "decode", "serve": "gateway", "all": "all"}
 ROLES = ("prefill", "decode", "gateway", "all")  # `rngd-pd serve --role`, as the chart's pods run it
 DEFAULTS: dict[str, Any] = {
-    "kv_transport": "shm", "port": 8000, "seq_len": 256, "prefill_url": "127.0.0.1:8101",
+    "kv_transport": AIRM_KV_TRANSPORT.default, "port": 8000, "seq_len": 256, "prefill_url": "127.0.0.1:8101",
     "decode_url": "127.0.0.1:8201", "metrics_port": None, "args": (), "env": None, "dry_run": False,
     "role": None, "host": None, "openai_port": 9000,
 }
@@ -124,9 +125,9 @@ def build_command(workload: Any, **config: Any) -> tuple[list[str], dict[str, st
     if role == "gateway":
         argv += ["--prefill-url", cfg["prefill_url"], "--decode-url", cfg["decode_url"]]
     argv += [str(a) for a in (cfg["args"] or ())]
-    env = {ENV_KV_TRANSPORT: cfg["kv_transport"], param_env("max_len"): str(int(cfg["seq_len"]))}
+    env = {AIRM_KV_TRANSPORT.name: cfg["kv_transport"], param_env("max_len"): str(int(cfg["seq_len"]))}
     metrics_at = argv[argv.index("--metrics-port") + 1]
-    env["AIRM_METRICS_PORT"] = metrics_at
+    env[AIRM_METRICS_PORT.name] = metrics_at
     env.update({str(k): str(v) for k, v in (cfg["env"] or {}).items()})
     return argv, env
 

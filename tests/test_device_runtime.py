@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rngd_pd.config.env import RNGD_PD_ATOM_CACHE
 from rngd_pd.devices import atom
 from rngd_pd.devices.base import Device
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime, runtime_for
@@ -168,7 +169,7 @@ def test_atom_runtime_decodes_like_the_cpu_through_its_adapter(engine_model, mon
         atom.AtomRuntime(Device("atom", 0, "atom:0"), engine_model)
     fake = FakeRebel()
     monkeypatch.setitem(sys.modules, "rebel", fake)
-    monkeypatch.setenv(atom.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(RNGD_PD_ATOM_CACHE.name, str(tmp_path))
     rt = atom.AtomRuntime(Device("atom", 0, "atom:0"), engine_model)
     shapes = GraphShapes(decode=((2, 64),), kv_dtype="fp32")
     rt.prepare(shapes)

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from rngd_pd.config.env import RNGD_PD_RNGD_VENV
 from rngd_pd.devices.base import Device
 from rngd_pd.devices.rngd import graphs as rngd_graphs
 from rngd_pd.devices.rngd import runtime as rngd
@@ -35,11 +36,11 @@ def _fake_env(tmp_path, *, installed=True):
     (venv / "bin" / "python").write_text("#!/bin/sh\nexit 3\n")
     if installed:
         (venv / ".installed").touch()
-    return {rngd.ENV_RNGD_VENV: str(venv), "RNGD_PD_DEV_ROOT": str(tmp_path / "root")}
+    return {RNGD_PD_RNGD_VENV.name: str(venv), "RNGD_PD_DEV_ROOT": str(tmp_path / "root")}
 
 
 def test_missing_environment_says_make_rngd_env(tmp_path):
-    env = {rngd.ENV_RNGD_VENV: str(tmp_path / "absent")}
+    env = {RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")}
     assert rngd.rngd_python(env) is None
     with pytest.raises(DeviceUnavailableError, match=r"run `make rngd-env`"):
         rngd.compile_check(GraphShapes(prefill_chunks=(128,)), env=env)
@@ -158,7 +159,7 @@ def test_worker_messages_round_trip():
 
 
 def test_runtime_refuses_without_the_environment(tmp_path):
-    env = {rngd.ENV_RNGD_VENV: str(tmp_path / "absent")}
+    env = {RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")}
     with pytest.raises(DeviceUnavailableError, match=r"make rngd-env"):
         rngd.RngdRuntime(RNGD0, None, env=env)
 
@@ -452,7 +453,7 @@ def test_smi_reads_each_field_on_its_own_and_names_what_failed():
 def test_smi_snapshot_runs_the_real_furiosa_smi(tmp_path):
     """furiosa-smi 2026.4.0 in .venv-rngd, here without a card or driver: no device, the driver's
     absence said; without the environment, the fix named."""
-    missing = rngd.smi_snapshot({rngd.ENV_RNGD_VENV: str(tmp_path / "absent")})
+    missing = rngd.smi_snapshot({RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")})
     assert missing["devices"] == [] and "make rngd-env" in missing["error"]
     if rngd.rngd_python() is None:
         pytest.skip("needs .venv-rngd: run `make rngd-env`")

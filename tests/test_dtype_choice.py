@@ -6,12 +6,15 @@ The CPUs are cpuinfo texts, so every kind is covered without the hardware; nothi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import types
 
 import pytest
 
 from rngd_pd.config import params
+from rngd_pd.config.dtypes import COMPUTE_CHOICES
+from rngd_pd.config.env import RNGD_PD_DTYPE
 from rngd_pd.devices import cpu_features, kernels
 from rngd_pd.devices.cpu_features import CpuFeatures, choose_compute_dtype, parse_cpuinfo
 from rngd_pd.errors import ConfigError
@@ -120,19 +123,20 @@ def test_forced_values_win() -> None:
 def test_unknown_value_is_a_config_error_naming_the_choices() -> None:
     with pytest.raises(ConfigError, match=r"compute dtype 'fp16' is not one of auto, bf16, fp32"):
         choose_compute_dtype("fp16", ZEN4)
-    env = {params.ENV_DTYPE: "fp16"}
+    env = {RNGD_PD_DTYPE.name: "fp16"}
     needle = r"'dtype' from \$RNGD_PD_DTYPE is 'fp16'; choose one of auto, bf16, fp32"
     with pytest.raises(ConfigError, match=needle):
         params.parse_params(params.ServingParams, {"name": "prefill"}, env=env)
 
 
 def test_parameter_parser_accepts_auto_and_defaults_to_it() -> None:
-    assert params.COMPUTE_DTYPES == cpu_features.CHOICES
+    dtype_field = next(f for f in dataclasses.fields(params.ServingParams) if f.name == "dtype")
+    assert dtype_field.metadata["choices"] == COMPUTE_CHOICES  # what choose_compute_dtype accepts
     assert params.parse_params(params.ServingParams, {"name": "prefill"}, env={}).dtype == "auto"
     for value in ("auto", "bf16", "fp32"):
         config = {"name": "prefill", "parameters": {"dtype": {"string_value": value}}}
         assert params.parse_params(params.ServingParams, config, env={}).dtype == value
-    assert params.parse_params(params.ServingParams, {}, env={params.ENV_DTYPE: "auto"}).dtype == "auto"
+    assert params.parse_params(params.ServingParams, {}, env={RNGD_PD_DTYPE.name: "auto"}).dtype == "auto"
 
 
 def test_serve_dtype_flag_accepts_auto_and_forces_the_others() -> None:
@@ -142,8 +146,8 @@ def test_serve_dtype_flag_accepts_auto_and_forces_the_others() -> None:
     serve.add_arguments(p)
     for value in ("auto", "bf16", "fp32"):
         args = p.parse_args(["--dtype", value])
-        assert serve.model_env(args)[params.ENV_DTYPE] == value
-    assert params.ENV_DTYPE not in serve.model_env(p.parse_args([]))  # no flag: the models' default (auto)
+        assert serve.model_env(args)[RNGD_PD_DTYPE.name] == value
+    assert RNGD_PD_DTYPE.name not in serve.model_env(p.parse_args([]))  # no flag: the models' default (auto)
     with pytest.raises(SystemExit):
         p.parse_args(["--dtype", "fp16"])
 
@@ -180,12 +184,13 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
     monkeypatch.setattr(runtime, "runtime_for", lambda device, model: types.SimpleNamespace(
         memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29), share_cores=lambda phase: f"lent ({phase})"))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
-    monkeypatch.delenv(params.ENV_DTYPE, raising=False)
+    monkeypatch.delenv(RNGD_PD_DTYPE.name, raising=False)
     load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(ZEN4))
     load_for(PrefillParams(), {"model_instance_name": "prefill_0_0"}, "prefill")
-    monkeypatch.setenv(params.ENV_DTYPE, "fp32")
-    load_for(PrefillParams(dtype="fp32", share_cores=True), {"model_instance_name": "prefill_0_0"})
+    # the source of the dtype is what parse_params recorded (the stub does not read the environment again)
+    forced = params.parse_params(PrefillParams, {"share_cores": "true"}, env={RNGD_PD_DTYPE.name: "fp32"})
+    load_for(forced, {"model_instance_name": "prefill_0_0"})
     assert loaded == [torch.float32, torch.bfloat16, torch.float32]
     out = capsys.readouterr().out
     assert ("prefill_0_0: compute dtype fp32 (auto (prefill, measured now on this CPU: AVX2 only): fp32 "
@@ -201,7 +206,7 @@ def test_devices_command_shows_the_choice(monkeypatch, capsys) -> None:
     monkeypatch.setattr(kernels, "measured", lambda config, cpu: (AVX2_TIMES, True))
     monkeypatch.setattr(devices, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
-    monkeypatch.delenv(params.ENV_DTYPE, raising=False)
+    monkeypatch.delenv(RNGD_PD_DTYPE.name, raising=False)
     args = argparse.Namespace(repository=None, role="all", json=False)
     assert devices.run(args) == 0
     out = capsys.readouterr().out
@@ -212,7 +217,7 @@ def test_devices_command_shows_the_choice(monkeypatch, capsys) -> None:
     assert (last["compute_dtype"], last["compute_dtype_requested"]) == ("fp32", "auto")
     assert last["cpu_native_bf16"] is None and "Xeon" in last["cpu"] and "config_name" in last
     assert last["compute_dtype_by_model"]["prefill"]["dtype"] == "fp32"
-    monkeypatch.setenv(params.ENV_DTYPE, "bf16")
+    monkeypatch.setenv(RNGD_PD_DTYPE.name, "bf16")
     choice, _ = devices.compute_dtype_choice()
     assert choice.dtype == "bf16" and choice.warning
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from rngd_pd import errors
+from rngd_pd.config.env import RNGD_PD_KV_DEBUG_LOG
 from rngd_pd.kv import load_transport
 from rngd_pd.kv.handle import KVSpec, handle_index
-from rngd_pd.kv.handoff import ENV_DEBUG_LOG, KVReceiver, KVSender
+from rngd_pd.kv.handoff import KVReceiver, KVSender
 from rngd_pd.model.cache import KVCache
 from rngd_pd.model.config import ModelConfig
 
@@ -58,7 +59,7 @@ def _send(transport, key: str, layers) -> None:
 
 def test_receiver_gets_the_same_bytes_while_the_sender_is_still_pushing(shm, monkeypatch, tmp_path) -> None:
     log = tmp_path / "kv.jsonl"
-    monkeypatch.setenv(ENV_DEBUG_LOG, str(log))
+    monkeypatch.setenv(RNGD_PD_KV_DEBUG_LOG.name, str(log))
     layers = _layers()
     result = {}
     receiver = threading.Thread(target=lambda: result.update(

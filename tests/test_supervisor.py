@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from rngd_pd.config.env import RNGD_PD_SERVER_RESTARTS
 from rngd_pd.frontend.api_errors import BackendUnavailable
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
@@ -225,7 +226,7 @@ def test_a_dead_stub_restarts_tritonserver_and_the_status_follows(tmp_path: Path
     shutil.rmtree(proc / "1001")  # decode's stub
     assert sup.step() is None
     assert server.starts == 2 and server.stops == [sup.stop_grace_s]
-    assert server.envs[-1][S.ENV_RESTARTS] == "1"
+    assert server.envs[-1][RNGD_PD_SERVER_RESTARTS.name] == "1"
     assert said[0] == "stub of model decode (pid 1001) died; restarting tritonserver (restart 1)"
     assert "ready again" in said[-1] and "restart 1" in said[-1]
     assert states == [("ready", 0), ("recovering", 1), ("ready", 1)]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rngd_pd.config import params
+from rngd_pd.config.env import AIRM_KV_TRANSPORT, RNGD_PD_KV_DTYPE, RNGD_PD_MODEL
 from rngd_pd.errors import ConfigError
 from rngd_pd.stubs import pbutils
 from rngd_pd.testing.repository import config_pbtxt
@@ -45,17 +46,17 @@ def test_defaults_when_no_parameters() -> None:
 
 
 def test_environment_overrides_config() -> None:
-    env = {params.ENV_MODEL: "/m/x.gguf", params.ENV_KV_TRANSPORT: "tcp", params.ENV_KV_DTYPE: "fp16"}
+    env = {RNGD_PD_MODEL.name: "/m/x.gguf", AIRM_KV_TRANSPORT.name: "tcp", RNGD_PD_KV_DTYPE.name: "fp16"}
     p = params.parse_params(DecodeLike, triton_config(kv_transport="shm", kv_dtype="bf16"), env=env)
     assert (p.model_path, p.kv_transport, p.kv_dtype) == ("/m/x.gguf", "tcp", "fp16")
     # an empty variable does not override
-    empty = params.parse_params(DecodeLike, triton_config(), env={params.ENV_KV_TRANSPORT: ""})
+    empty = params.parse_params(DecodeLike, triton_config(), env={AIRM_KV_TRANSPORT.name: ""})
     assert empty.kv_transport == "shm"
 
 
 def test_generic_parameter_override() -> None:
     env = {"RNGD_PD_PARAM_NUM_SLOTS": "3", "RNGD_PD_PARAM_KV_TRANSPORT": "tcp",
-           params.ENV_KV_TRANSPORT: "shm", "RNGD_PD_PARAM_NOT_A_FIELD": "1"}
+           AIRM_KV_TRANSPORT.name: "shm", "RNGD_PD_PARAM_NOT_A_FIELD": "1"}
     p = params.parse_params(DecodeLike, triton_config(num_slots="8"), env=env)
     assert p.num_slots == 3 and p.kv_transport == "shm"  # the named override wins over the generic one
     with pytest.raises(ConfigError, match=r"'num_slots' from \$RNGD_PD_PARAM_NUM_SLOTS is 'x'"):
@@ -69,7 +70,7 @@ def test_generic_parameter_override() -> None:
         ({"num_slots": "four"}, {}, "'num_slots' from config.pbtxt is 'four', which is not a valid int"),
         ({"chunked": "maybe"}, {}, "'chunked' from config.pbtxt is 'maybe'"),
         ({"device": "tpu"}, {}, "'device' from config.pbtxt is 'tpu'; choose one of cpu, cuda, rngd, atom"),
-        ({}, {params.ENV_KV_DTYPE: "int4"}, "'kv_dtype' from $RNGD_PD_KV_DTYPE is 'int4'"),
+        ({}, {RNGD_PD_KV_DTYPE.name: "int4"}, "'kv_dtype' from $RNGD_PD_KV_DTYPE is 'int4'"),
         ({"num_slots": "0"}, {}, "num_slots must be >= 1"),
         ({"device_ids": "0,x"}, {}, "'device_ids' from config.pbtxt is 'x'"),
     ],

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes
 from rngd_pd.errors import DeviceUnavailableError
 
@@ -197,7 +198,6 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
 
     from rngd_pd.devices import select_device
     from rngd_pd.devices.runtime import as_runtime, runtime_for
-    from rngd_pd.devices.torch_runtime import torch_dtype
     from rngd_pd.model import load_model
 
     device = select_device(kind, device_id)  # raises naming the missing SDK / card
@@ -282,9 +282,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-shapes", action="store_true",
                    help="rngd: the shapes the model repository's rngd configs need (prefill chunk_size, "
                         "every decode bucket of decode/configs/rngd.pbtxt) instead of --chunks/--decode")
-    p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: bf16 for rngd, whose graphs are bf16; else fp32)")
-    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES)
     p.add_argument("--steps", type=int, default=8, help="decode steps per shape")
     p.add_argument("--atol", type=float, default=None, help="default: 1e-4 in fp32, 5e-2 in bf16")
     p.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")

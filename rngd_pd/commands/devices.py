@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from rngd_pd.config.params import ENV_DTYPE
+from rngd_pd.config.env import RNGD_PD_DTYPE, RNGD_PD_MODEL
 from rngd_pd.devices.cpu_features import (
-    AUTO,
     CpuFeatures,
     DtypeChoice,
     choose_compute_dtype,
@@ -39,14 +38,13 @@ def compute_dtype_choice(env: Mapping[str, str] | None = None, phase: str | None
                          ) -> tuple[DtypeChoice, CpuFeatures]:
     """The compute dtype a served model of `phase` would choose on this host ($RNGD_PD_DTYPE, else
     auto; with a phase, measured as the model would, for $RNGD_PD_MODEL or the embedded model)."""
-    env = os.environ if env is None else env
-    requested = env.get(ENV_DTYPE, "") or AUTO
+    requested = RNGD_PD_DTYPE.get(env)
     config = None
     if phase is not None:
         from rngd_pd.model.checkpoint import open_checkpoint
 
-        config = open_checkpoint(env.get("RNGD_PD_MODEL") or None).config()
-    return (choose_compute_dtype(requested, source=f"${ENV_DTYPE}", phase=phase, config=config),
+        config = open_checkpoint(RNGD_PD_MODEL.get(env)).config()
+    return (choose_compute_dtype(requested, source=f"${RNGD_PD_DTYPE.name}", phase=phase, config=config),
             read_cpu_features())
 
 
@@ -67,7 +65,7 @@ def environments() -> list[dict]:
 
     main = {p: _version(p) for p in SDK_PACKAGES}
     main["torch"] = f"{main['torch']} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})"
-    rows = [{"env": "this (.venv)", "path": os.sys.prefix, "for": "cpu, cuda, atom",
+    rows = [{"env": "this (.venv)", "path": sys.prefix, "for": "cpu, cuda, atom",
              "packages": {k: v for k, v in main.items() if v}}]
     python = RNGD_ENV / "bin" / "python"
     rngd: dict = {"env": ".venv-rngd", "path": str(RNGD_ENV), "for": "rngd (furiosa-torch pins torch 2.10)"}

@@ -7,9 +7,9 @@ import json
 import sys
 import time
 
-HELP = "generate text for one prompt in this process (colocated engine, no Triton, no transfer)"
+from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+HELP = "generate text for one prompt in this process (colocated engine, no Triton, no transfer)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,8 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="S",
                    help="stop strings (repeatable); the text ends before the first match")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16", help="KV cache dtype (default bf16)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (default fp32)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache dtype (default bf16)")
+    p.add_argument("--dtype", choices=COMPUTE_DTYPES, default="fp32", help="compute dtype (default fp32)")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size in tokens (default 512)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -44,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
     from rngd_pd.engine.colocated import ColocatedEngine
     from rngd_pd.errors import ConfigError
     from rngd_pd.model import load_model
@@ -57,13 +55,13 @@ def _generate(args: argparse.Namespace) -> int:
     params.validate()
     if not args.prompt:
         raise ConfigError("--prompt is empty; give some text")
-    loaded = load_model(args.model, dtype=getattr(torch, DTYPES[args.dtype]),
+    loaded = load_model(args.model, dtype=torch_dtype(args.dtype),
                         progress=sys.stderr.isatty() and not args.json)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tok.encode(text)
     max_len = min(len(prompt_ids) + params.max_tokens, loaded.config.max_context)
-    with ColocatedEngine(loaded, num_slots=1, max_len=max_len, kv_dtype=getattr(torch, DTYPES[args.kv_dtype]),
+    with ColocatedEngine(loaded, num_slots=1, max_len=max_len, kv_dtype=torch_dtype(args.kv_dtype),
                          chunk_size=args.chunk_size, buckets=[max_len]) as engine:
         t0 = time.perf_counter()
         ttft, ids, parts, reason = None, [], [], ""

@@ -20,7 +20,18 @@ import threading
 import time
 from pathlib import Path
 
-from rngd_pd.config import params
+from rngd_pd.config.dtypes import COMPUTE_CHOICES, KV_DTYPES
+from rngd_pd.config.env import (
+    AIRM_KV_TRANSPORT,
+    RNGD_PD_DECODE_URL,
+    RNGD_PD_DTYPE,
+    RNGD_PD_KV_DTYPE,
+    RNGD_PD_MODEL,
+    RNGD_PD_PREFILL_URL,
+    RNGD_PD_ROLE,
+    RNGD_PD_SERVER_RESTARTS,
+)
+from rngd_pd.config.settings import param_env
 
 HELP = "serve the model repository with tritonserver (and the OpenAI front end)"
 
@@ -49,8 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint dir (HF Llama) or .gguf; default: the embedded SmolLM2-135M")
     p.add_argument("--kv-transport",
                    help="KV transport name (airm.kv_transports); default $AIRM_KV_TRANSPORT or the config's")
-    p.add_argument("--kv-dtype", choices=params.KV_DTYPES, help="KV wire dtype (default: the config's, bf16)")
-    p.add_argument("--dtype", choices=params.COMPUTE_DTYPES,
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV wire dtype (default: the config's, bf16)")
+    p.add_argument("--dtype", choices=COMPUTE_CHOICES,
                    help="compute dtype (default auto: bf16 where the CPU/GPU has native bf16, e.g. "
                         "AVX512-BF16/AMX, else fp32; `rngd-pd devices` shows the choice); bf16 or fp32 "
                         "force one; fp32 gives the transformers oracle's tokens exactly")
@@ -92,16 +103,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def model_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment overrides the models read through rngd_pd.config.params."""
     env: dict[str, str] = {}
-    pairs = ((params.ENV_MODEL, args.model), (params.ENV_KV_TRANSPORT, args.kv_transport),
-             (params.ENV_KV_DTYPE, args.kv_dtype), (params.ENV_DTYPE, args.dtype),
-             (params.ENV_PREFILL_URL, args.prefill_url),
-             (params.ENV_DECODE_URL, args.decode_url), (params.ENV_ROLE, args.role))
-    for name, value in pairs:
+    pairs = ((RNGD_PD_MODEL, args.model), (AIRM_KV_TRANSPORT, args.kv_transport),
+             (RNGD_PD_KV_DTYPE, args.kv_dtype), (RNGD_PD_DTYPE, args.dtype),
+             (RNGD_PD_PREFILL_URL, args.prefill_url),
+             (RNGD_PD_DECODE_URL, args.decode_url), (RNGD_PD_ROLE, args.role))
+    for var, value in pairs:
         if value:
-            env[name] = str(Path(value).resolve()) if name == params.ENV_MODEL else value
+            env[var.name] = str(Path(value).resolve()) if var is RNGD_PD_MODEL else value
     for item in args.param:
         name, _, value = item.partition("=")
-        env[params.param_env(name.strip())] = value.strip()
+        env[param_env(name.strip())] = value.strip()
     return env
 
 
@@ -244,7 +255,7 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
 
     from rngd_pd.host.stubs import Failure
     from rngd_pd.serve.server import TritonServerError, stop_process_group
-    from rngd_pd.serve.supervisor import ENV_RESTARTS, ProgressWatch, RestartPolicy, Supervisor
+    from rngd_pd.serve.supervisor import ProgressWatch, RestartPolicy, Supervisor
     from rngd_pd.wire.status import FAILED, STARTING, STOPPING
 
     stop = threading.Event()
@@ -261,7 +272,8 @@ def _serve(args: argparse.Namespace, server, watch) -> int:
         supervisor.set_status(STARTING, "loading the models")
         print(f"serve: status file {status}", flush=True)
         t0 = time.monotonic()
-        server.cfg.env[ENV_RESTARTS] = "0"  # the models can tell a restarted server from the first one
+        # the models can tell a restarted server from the first one
+        server.cfg.env[RNGD_PD_SERVER_RESTARTS.name] = "0"
         server.start()
         try:
             server.wait_ready(args.ready_timeout, cancel=stop)

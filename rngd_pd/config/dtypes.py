@@ -33,6 +33,7 @@ DTYPES: dict[str, Dtype] = {d.name: d for d in (
 AUTO = "auto"                        # compute dtype measured at load (rngd_pd.devices.kernels)
 KV_DTYPES = tuple(DTYPES)            # what the KV cache and its wire may be
 COMPUTE_DTYPES = ("bf16", "fp32")    # what weights and compute may be
+COMPUTE_CHOICES = (AUTO, *COMPUTE_DTYPES)  # what the dtype parameter and `rngd-pd serve --dtype` accept
 _BY_TORCH_NAME = {d.torch_name: d.name for d in DTYPES.values()}
 
 
@@ -41,6 +42,11 @@ def short_dtype(dtype: Any) -> str:
     torch's name (int64)."""
     text = str(dtype).removeprefix("torch.")
     return _BY_TORCH_NAME.get(text, text)
+
+
+def torch_name(name: str) -> str:
+    """Torch's name of a dtype given by our name; any other name (torch's own, int64) as given."""
+    return DTYPES[name].torch_name if name in DTYPES else name
 
 
 def lookup(name: Any, allowed: tuple[str, ...] = KV_DTYPES) -> Dtype:

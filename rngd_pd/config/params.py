@@ -11,7 +11,9 @@ Environment overrides (set by `rngd-pd serve` and by ai-rm) win over config.pbtx
 `RNGD_PD_DTYPE` (compute dtype), and for `pd`
 `RNGD_PD_PREFILL_URL` / `RNGD_PD_DECODE_URL` (remote prefill/decode servers, gRPC host:port).
 Any parameter can also be set with `RNGD_PD_PARAM_<NAME>` (`RNGD_PD_PARAM_MAX_LEN=512`), in every model
-that has it; a named override above wins over it. `rngd-pd serve --param NAME=VALUE` sets these.
+that has it; a named override above wins over it. `rngd-pd serve --param NAME=VALUE` sets these. The
+variables, their defaults and readers are entries of rngd_pd.config.env; the dtypes come from
+rngd_pd.config.dtypes.
 """
 
 from __future__ import annotations
@@ -21,27 +23,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rngd_pd.config.dtypes import COMPUTE_CHOICES, KV_DTYPES
+from rngd_pd.config.env import AIRM_KV_TRANSPORT, RNGD_PD_DTYPE, RNGD_PD_KV_DTYPE, RNGD_PD_MODEL
 from rngd_pd.config.settings import (  # noqa: F401 - the shared parser, public here too
-    ENV_PARAM_PREFIX,
     TRITON_PARAMETERS,
     param,
     param_env,
     parse_params,
     raw_parameters,
+    source_of,
 )
 from rngd_pd.errors import ConfigError
 
-ENV_MODEL = "RNGD_PD_MODEL"
-ENV_KV_TRANSPORT = "AIRM_KV_TRANSPORT"
-ENV_KV_DTYPE = "RNGD_PD_KV_DTYPE"
-ENV_DTYPE = "RNGD_PD_DTYPE"
-ENV_PREFILL_URL = "RNGD_PD_PREFILL_URL"  # pd: reach prefill by gRPC in another tritonserver
-ENV_DECODE_URL = "RNGD_PD_DECODE_URL"    # pd: reach decode by gRPC in another tritonserver
-ENV_DECODE_VIA = "RNGD_PD_DECODE_VIA"    # pd: reach a decode in this tritonserver by grpc or bls
-ENV_ROLE = "RNGD_PD_ROLE"  # all | prefill | decode | gateway: which model publishes the load gauges
-
-KV_DTYPES = ("bf16", "fp16", "fp32")
-COMPUTE_DTYPES = ("auto", "bf16", "fp32")  # auto: rngd_pd.devices.cpu_features.choose_compute_dtype
 DEVICES = ("cpu", "cuda", "rngd", "atom")
 
 @dataclass(frozen=True)
@@ -54,13 +47,13 @@ class ServingParams:
     share_cores: bool = param(False, help="cpu: compute on the host's idle cores while the other "
                                          "instances are idle, torch_threads while they are busy "
                                          "(rngd_pd.devices.cores)")
-    model_path: str | None = param(None, env=ENV_MODEL, help="checkpoint dir or .gguf; empty = embedded")
-    kv_transport: str = param("shm", env=ENV_KV_TRANSPORT, help="airm.kv_transports name")
-    kv_dtype: str = param("bf16", env=ENV_KV_DTYPE, choices=KV_DTYPES, help="KV wire dtype")
+    model_path: str | None = param(env=RNGD_PD_MODEL, help="checkpoint dir or .gguf; empty = embedded")
+    kv_transport: str = param(env=AIRM_KV_TRANSPORT, help="airm.kv_transports name")
+    kv_dtype: str = param(env=RNGD_PD_KV_DTYPE, choices=KV_DTYPES, help="KV wire dtype")
     kv_options: str = param("", help="the transport's options, NAME=VALUE;... (rngd_pd.kv.options), "
                                      "e.g. addr=relay.kv:9100 for tcp and nixl-ucx; environment names win")
 
-    dtype: str = param("auto", env=ENV_DTYPE, choices=COMPUTE_DTYPES,
+    dtype: str = param(env=RNGD_PD_DTYPE, choices=COMPUTE_CHOICES,
                        help="compute dtype: auto (bf16 where the CPU/GPU computes bf16 natively, else fp32), "
                             "bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")
 
@@ -77,8 +70,13 @@ class ServingParams:
 
 
 def describe(params: Any) -> str:
-    """One line `name=value ...` for the model's load log."""
-    return " ".join(f"{f.name}={getattr(params, f.name)!r}" for f in dataclasses.fields(params))
+    """One line `name=value ...` for the model's load log; a value from the environment says which
+    variable (`dtype='bf16' (from $RNGD_PD_DTYPE)`)."""
+    def one(name: str) -> str:
+        source = source_of(params, name)
+        return f"{name}={getattr(params, name)!r}" + (f" (from {source})" if source.startswith("$") else "")
+
+    return " ".join(one(f.name) for f in dataclasses.fields(params))
 
 
 def instance_index(instance_name: str) -> int:

@@ -6,14 +6,15 @@ and optional choices (`param(...)`). `parse_params` reads string values (Triton'
 `args["model_config"]`, or a plain mapping), applies the environment overrides (they win), converts each
 value to the field's type and fails with a `ConfigError` that names the owner and the setting when a
 name is unknown or a value does not convert, so a typo stops a model's `initialize` instead of being
-ignored. Model parameters can also be set with `RNGD_PD_PARAM_<NAME>` (`generic_env`).
+ignored. Model parameters can also be set with `RNGD_PD_PARAM_<NAME>` (`generic_env`). The variables are
+entries of the one registry (rngd_pd.config.env); where each value came from stays on the returned
+object (`source_of`), so a load log can say "from $RNGD_PD_DTYPE" without reading the environment again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import types
 import typing
@@ -21,32 +22,51 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rngd_pd.config.env import REGISTRY, RNGD_PD_CACHE, RNGD_PD_PARAM_, XDG_CACHE_HOME, EnvVar, parse_bool
 from rngd_pd.errors import ConfigError
-
-ENV_CACHE = "RNGD_PD_CACHE"  # where the Triton backend links and the kernel measurements live
 
 
 def cache_root(env: Mapping[str, str] | None = None) -> Path:
     """$RNGD_PD_CACHE, else $XDG_CACHE_HOME/rngd-pd, else ~/.cache/rngd-pd."""
-    env = os.environ if env is None else env
-    if env.get(ENV_CACHE):
-        return Path(env[ENV_CACHE])
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rngd-pd"
+    return RNGD_PD_CACHE.get(env) or (XDG_CACHE_HOME.get(env) or Path.home() / ".cache") / "rngd-pd"
 
 
-ENV_PARAM_PREFIX = "RNGD_PD_PARAM_"  # RNGD_PD_PARAM_<NAME>: override model parameter <name> anywhere
 # Parameters Triton's Python backend reads itself; allowed in any model's config.
 TRITON_PARAMETERS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"})
+DEFAULT = "default"  # the source of a value nobody set (`source_of`)
+CODE = "code"        # the source of a value given in code (an object parse_params did not build)
+_SOURCES = "_rngd_pd_sources"  # the attribute parse_params leaves on what it builds (not a field)
 
 T = TypeVar("T")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_NO_DEFAULT: Any = object()
 
 
-def param(default: Any, *, env: str | None = None, choices: tuple[Any, ...] | None = None,
+def param(default: Any = _NO_DEFAULT, *, env: EnvVar | None = None, choices: tuple[Any, ...] | None = None,
           help: str = "") -> Any:
-    """A dataclass field for a setting: default, environment override, allowed values."""
-    return dataclasses.field(default=default, metadata={"env": env, "choices": choices, "help": help})
+    """A dataclass field for a setting: default (the variable's registry default when omitted),
+    environment override (an entry of rngd_pd.config.env), allowed values."""
+    if default is _NO_DEFAULT:
+        if env is None:
+            raise TypeError("param() needs a default or an env entry to take it from")
+        default = env.default
+    return dataclasses.field(default=default, metadata={"env": env.name if env else None, "choices": choices,
+                                                        "help": help})
+
+
+def source_of(settings: Any, field: str) -> str:
+    """Where `field` of a settings object came from: "config.pbtxt", "$NAME" (an environment
+    variable), "default", or "code" (set by a caller, not parsed)."""
+    sources = getattr(settings, _SOURCES, None)
+    if sources is None:
+        return CODE
+    return sources.get(field, DEFAULT)
+
+
+def with_sources(settings: T, sources: Mapping[str, str]) -> T:
+    """`settings` with `sources` recorded for source_of (merged over what it already records)."""
+    merged = {**getattr(settings, _SOURCES, {}), **sources}
+    object.__setattr__(settings, _SOURCES, merged)  # the dataclass is frozen; this is not a field
+    return settings
 
 
 def raw_parameters(model_config: str | Mapping[str, Any]) -> dict[str, str]:
@@ -69,7 +89,6 @@ def parse_params(cls: type[T], model_config: str | Mapping[str, Any], *,
                  generic_env: bool = True, where: str | None = None) -> T:
     """Build `cls` from config parameters + environment overrides; ConfigError names the culprit
     (`where`, else the model). `generic_env` also reads `RNGD_PD_PARAM_<NAME>`."""
-    env = os.environ if env is None else env
     config = json.loads(model_config) if isinstance(model_config, str) else model_config
     if model is None and isinstance(config.get("name"), str):
         model = config["name"]
@@ -84,13 +103,18 @@ def parse_params(cls: type[T], model_config: str | Mapping[str, Any], *,
         )
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for name, f in fields.items():
         text, source = raw.get(name), "config.pbtxt"
-        for env_name in (param_env(name) if generic_env else None, f.metadata.get("env")):
-            if env_name and env.get(env_name, "") != "":
-                text, source = env[env_name], f"${env_name}"
+        named = f.metadata.get("env")
+        overrides = ((param_env(name), RNGD_PD_PARAM_.raw(env, name)) if generic_env else (None, None),
+                     (named, REGISTRY[named].raw(env)) if named else (None, None))
+        for env_name, value in overrides:
+            if value is not None:
+                text, source = value, f"${env_name}"
         if text is None:
             continue
+        sources[name] = source
         values[name] = _convert(text, hints[name], f"{where}parameter {name!r} from {source}")
         choices = f.metadata.get("choices")
         if choices and values[name] not in choices:
@@ -98,14 +122,14 @@ def parse_params(cls: type[T], model_config: str | Mapping[str, Any], *,
                 f"{where}parameter {name!r} from {source} is {text!r}; choose one of {', '.join(choices)}"
             )
     try:
-        return cls(**values)
+        return with_sources(cls(**values), sources)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}{exc}") from exc
 
 
 def param_env(name: str) -> str:
     """The generic environment override of parameter `name` (`RNGD_PD_PARAM_MAX_LEN`)."""
-    return ENV_PARAM_PREFIX + name.upper()
+    return RNGD_PD_PARAM_.member(name)
 
 
 def _convert(text: str, hint: Any, what: str) -> Any:
@@ -122,10 +146,7 @@ def _convert(text: str, hint: Any, what: str) -> Any:
         return tuple(_convert(s, args[0], what) for s in items)
     try:
         if hint is bool:
-            low = text.lower()
-            if low in _TRUE | _FALSE:
-                return low in _TRUE
-            raise ValueError(text)
+            return parse_bool(text)
         return hint(text)
     except ValueError:
         name = getattr(hint, "__name__", str(hint))

@@ -8,7 +8,6 @@ pointing at the cpu configuration. `device_id -1` means the card the device plug
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from rngd_pd.devices.base import CPU_HINT, Device, DeviceReport, unavailable
@@ -41,7 +40,6 @@ def _select_cuda(device_id: int) -> Device:
 def select_device(kind: str, device_id: int = -1, *, instance: int = 0,
                   env: Mapping[str, str] | None = None) -> Device:
     """The device of one instance; DeviceUnavailableError when its SDK or card is missing."""
-    env = os.environ if env is None else env
     if kind == "cpu":
         return Device("cpu", 0, "cpu", "host CPU")
     if kind == "cuda":

@@ -10,15 +10,12 @@ vendor runtimes expect; an explicit device id is that ordinal too.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rngd_pd.config.env import POD_UID, RNGD_PD_KUBELET_CHECKPOINT
 from rngd_pd.devices.base import unavailable
-
-CHECKPOINT = Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint")
-ENV_CHECKPOINT = "RNGD_PD_KUBELET_CHECKPOINT"
 
 
 def _natural(name: str) -> tuple:
@@ -63,11 +60,10 @@ def _ordinal(device_id: str, cards: Sequence[str], kind: str) -> int:
 def allocated_ordinal(kind: str, resource: str, cards: Sequence[str], instance: int = 0,
                       env: Mapping[str, str] | None = None) -> tuple[int, str]:
     """Ordinal of the card this pod (instance) was allocated, and how it was found."""
-    env = os.environ if env is None else env
     if not cards:
         raise unavailable(f"no {kind} card is visible", f"check the driver and the pod's {resource} request")
-    pod_uid = env.get("POD_UID", "")
-    path = Path(env.get(ENV_CHECKPOINT) or CHECKPOINT)
+    pod_uid = POD_UID.get(env) or ""
+    path = RNGD_PD_KUBELET_CHECKPOINT.get(env)
     ids = checkpoint_devices(pod_uid, resource, path) if pod_uid else None
     if ids:
         if instance >= len(ids):

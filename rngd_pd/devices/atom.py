@@ -20,19 +20,18 @@ import contextlib
 import hashlib
 import importlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
+from rngd_pd.config.dtypes import DTYPES, KV_DTYPES, short_dtype, torch_dtype
+from rngd_pd.config.env import RBLN_TARGET_SOC, RNGD_PD_ATOM_CACHE
+from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
 
 SDK = "rebel"
 NPU_NAMES = {"RBLN-CA02": "ATOM", "RBLN-CA12": "ATOM+", "RBLN-CA22": "ATOM+", "RBLN-CA25": "ATOM-Max"}
-ENV_TARGET = "RBLN_TARGET_SOC"  # compile for this NPU on a host without one
-ENV_CACHE = "RNGD_PD_ATOM_CACHE"
 DEFAULT_CACHE = Path.home() / ".cache" / "rngd-pd" / "atom"
 InputInfo = list[tuple[str, list[int], str]]  # rebel's (name, shape, dtype) per graph input
 
@@ -50,12 +49,13 @@ def import_rebel() -> Any:
 def decode_input_info(config: Any, width: int, bucket: int, kv_dtype: str) -> InputInfo:
     """rebel's input_info for the decode graph of one (batch width, sequence bucket): the step's
     tokens and positions, then each layer's K and V cache [width, kv_heads, bucket, head_dim]."""
-    if kv_dtype not in TORCH_NAMES:
-        raise ConfigError(f"kv dtype {kv_dtype!r} is not one of {', '.join(TORCH_NAMES)}")
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     cache = [width, config.num_kv_heads, bucket, config.head_dim]
     info = [("tokens", [width], "int64"), ("positions", [width], "int64")]
+    name = DTYPES[kv_dtype].torch_name
     for i in range(config.num_layers):
-        info += [(f"k{i}", cache, TORCH_NAMES[kv_dtype]), (f"v{i}", cache, TORCH_NAMES[kv_dtype])]
+        info += [(f"k{i}", cache, name), (f"v{i}", cache, name)]
     return info
 
 
@@ -79,10 +79,11 @@ def target_npu(rebel: Any, index: int) -> str:
     name = None
     with contextlib.suppress(Exception):
         name = rebel.get_npu_name(index)
-    name = name or os.environ.get(ENV_TARGET)
+    name = name or RBLN_TARGET_SOC.get()
     if not name:
-        raise unavailable(f"no ATOM card answers at index {index} and ${ENV_TARGET} is not set",
-                          f"check the driver (rbln-smi), or set {ENV_TARGET}=RBLN-CA25 to compile only")
+        soc = RBLN_TARGET_SOC.name
+        raise unavailable(f"no ATOM card answers at index {index} and ${soc} is not set",
+                          f"check the driver (rbln-smi), or set {soc}=RBLN-CA25 to compile only")
     return name
 
 
@@ -96,7 +97,7 @@ class AtomRuntime:
             raise unavailable(f"ATOM card {device.index} is not available to rebel "
                               f"({self.rebel.device_count()} visible)", "check the driver and RBLN_DEVICES")
         self.npu = target_npu(self.rebel, device.index)
-        self.cache_dir = Path(os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
+        self.cache_dir = RNGD_PD_ATOM_CACHE.get() or DEFAULT_CACHE
         self._runtime: Any = None
         self._shapes: GraphShapes | None = None
 
@@ -122,8 +123,6 @@ class AtomRuntime:
         self._shapes = shapes
 
     def dtype(self, name: Any) -> Any:
-        from rngd_pd.devices.torch_runtime import torch_dtype
-
         return torch_dtype(name)
 
     def inference(self) -> contextlib.AbstractContextManager[Any]:

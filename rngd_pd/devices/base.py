@@ -7,15 +7,6 @@ from typing import Any
 
 from rngd_pd.errors import DeviceUnavailableError
 
-TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # our names -> torch's
-
-
-def short_dtype(dtype: Any) -> str:
-    """Our name (bf16, fp16, fp32) of a dtype given by our name, torch's name or a torch dtype; any
-    other dtype by torch's name (int64). Torch-free: vendor graphs and wire headers use it."""
-    text = str(dtype).removeprefix("torch.")
-    return {v: k for k, v in TORCH_NAMES.items()}.get(text, text)
-
 CPU_HINT = "to run without it, serve on the CPU: `rngd-pd serve --config-name cpu` " \
            "(tritonserver --model-config-name cpu)"
 

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rngd_pd.config.dtypes import AUTO, COMPUTE_CHOICES, torch_dtype
 from rngd_pd.errors import ConfigError
 
-AUTO = "auto"
-CHOICES = (AUTO, "bf16", "fp32")  # what the `dtype` parameter and `rngd-pd serve --dtype` accept
 CPUINFO = Path("/proc/cpuinfo")
 
 # native bf16, in the order they are named in a reason: (flag, arch, human name)
@@ -78,9 +77,7 @@ class DtypeChoice:
 
     @property
     def torch_dtype(self) -> Any:
-        import torch
-
-        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+        return torch_dtype(self.dtype)
 
 
 def _normalize_arch(machine: str) -> str:
@@ -158,8 +155,8 @@ def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | It
     natively, else fp32. auto on cuda: bf16 where torch.cuda.is_bf16_supported().
     """
     value = (requested or AUTO).strip().lower()
-    if value not in CHOICES:
-        raise ConfigError(f"compute dtype {requested!r} is not one of {', '.join(CHOICES)}")
+    if value not in COMPUTE_CHOICES:
+        raise ConfigError(f"compute dtype {requested!r} is not one of {', '.join(COMPUTE_CHOICES)}")
     if value != AUTO and (value == "fp32" or device == "cuda"):
         return DtypeChoice(value, f"forced by {source}", value)
     if device == "cuda":

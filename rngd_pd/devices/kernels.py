@@ -32,10 +32,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rngd_pd.config.dtypes import COMPUTE_DTYPES, torch_dtype
+from rngd_pd.config.settings import cache_root
 from rngd_pd.errors import ConfigError
 
 PHASES = ("prefill", "decode", "both")
-CANDIDATES = ("bf16", "fp32")
 PREFILL_TOKENS = 256
 DECODE_ROWS = 8
 DECODE_CONTEXT = 256
@@ -60,7 +61,7 @@ class PhaseTimes:
         return self.prefill_s[dtype] + DECODE_STEPS_PER_PROMPT * self.decode_s[dtype]
 
     def best(self, phase: str) -> str:
-        return min(CANDIDATES, key=lambda d: self.cost(phase, d))
+        return min(COMPUTE_DTYPES, key=lambda d: self.cost(phase, d))
 
     def describe(self, phase: str) -> str:
         """`bf16 3.1 ms vs fp32 9.8 ms per decode step (3.2x)`, for the load log."""
@@ -68,15 +69,13 @@ class PhaseTimes:
                 "decode": f"per {DECODE_ROWS}-row decode step",
                 "both": f"per {PREFILL_TOKENS}-token prefill + {DECODE_STEPS_PER_PROMPT} decode steps"}[phase]
         best = self.best(phase)
-        other = next(d for d in CANDIDATES if d != best)
+        other = next(d for d in COMPUTE_DTYPES if d != best)
         a, b = self.cost(phase, best), self.cost(phase, other)
         return (f"{best} {a * 1e3:.1f} ms vs {other} {b * 1e3:.1f} ms {what} of a {PROBE_LAYERS}-layer probe "
                 f"({b / a:.1f}x)")
 
 
 def cache_path(env: Mapping[str, str] | None = None) -> Path:
-    from rngd_pd.config.settings import cache_root
-
     return cache_root(env) / CACHE_FILE
 
 
@@ -125,8 +124,8 @@ def measure(config: Any, repeat: int = 5) -> PhaseTimes:
     from rngd_pd.model.cache import KVCache
 
     prefills, steps = {}, {}
-    for name in CANDIDATES:
-        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    for name in COMPUTE_DTYPES:
+        dtype = torch_dtype(name)
         model = _probe(config, dtype)
         model.prepare_decode()
         tokens = torch.arange(PREFILL_TOKENS) % model.config.vocab_size

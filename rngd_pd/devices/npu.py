@@ -9,14 +9,12 @@ hardware is. What they do here: check the SDK, find the cards, resolve the alloc
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rngd_pd.config.env import RNGD_PD_DEV_ROOT
 from rngd_pd.devices.allocation import resolve_ordinal, visible_cards
 from rngd_pd.devices.base import Device, DeviceReport, unavailable
-
-ENV_DEV_ROOT = "RNGD_PD_DEV_ROOT"  # a root to look for /dev under (tests, containers with odd mounts)
 
 
 @dataclass(frozen=True)
@@ -58,8 +56,7 @@ def sdk_missing(npu: NpuKind, env: Mapping[str, str] | None = None) -> str | Non
 
 def cards(npu: NpuKind, env: Mapping[str, str] | None = None) -> list[str]:
     """The visible cards of this vendor."""
-    env = os.environ if env is None else env
-    return visible_cards(npu.card_glob, env.get(ENV_DEV_ROOT) or "/")
+    return visible_cards(npu.card_glob, RNGD_PD_DEV_ROOT.get(env))
 
 
 def select_npu(npu: NpuKind, device_id: int, instance: int = 0,

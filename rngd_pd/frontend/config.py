@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from rngd_pd.config.env import RNGD_PD_API_KEY
 from rngd_pd.errors import ConfigError
 
-API_KEY_ENV = "RNGD_PD_API_KEY"
 TRITON_MODELS = ("pd", "colocated")
 
 
@@ -52,7 +51,7 @@ class FrontendConfig:
 
     def resolved_api_key(self) -> str | None:
         """The key from the config, else from $RNGD_PD_API_KEY; None disables authentication."""
-        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV) or None
+        key = self.api_key if self.api_key is not None else RNGD_PD_API_KEY.get()
         return key.strip() if key else None
 
     def to_argv(self) -> list[str]:

@@ -12,11 +12,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rngd_pd.config.dtypes import DTYPES, KV_DTYPES
 from rngd_pd.errors import TransportIntegrityError
 from rngd_pd.kv.buffers import CHECKSUMS, DEFAULT_CHECKSUM, as_bytes, checksum
 
 FORMAT_VERSION = 1
-WIRE_DTYPES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}  # name -> bytes per element
 # Per layer, K and V each [num_kv_heads, num_tokens, head_dim], C-contiguous (Llama.prefill's output).
 LAYOUT_HTD = "htd"
 LAYOUTS = (LAYOUT_HTD,)
@@ -72,7 +72,7 @@ class KVHandle:
     @property
     def blob_nbytes(self) -> int:
         """The size every K or V blob must have given the geometry."""
-        return self.num_kv_heads * self.num_tokens * self.head_dim * WIRE_DTYPES[self.dtype]
+        return self.num_kv_heads * self.num_tokens * self.head_dim * DTYPES[self.dtype].itemsize
 
     @property
     def num_blobs(self) -> int:
@@ -120,8 +120,8 @@ class KVHandle:
             want, got = getattr(expected, name), getattr(self, name)
             if want != got:
                 self._mismatch(name, want, got)
-        if self.dtype not in WIRE_DTYPES:
-            self._mismatch("dtype", "/".join(WIRE_DTYPES), self.dtype)
+        if self.dtype not in KV_DTYPES:
+            self._mismatch("dtype", "/".join(KV_DTYPES), self.dtype)
         if self.checksum_algorithm not in CHECKSUMS:
             self._mismatch("checksum_algorithm", "/".join(CHECKSUMS), self.checksum_algorithm)
         if self.num_tokens <= 0:

@@ -14,7 +14,6 @@ crc32c of the bytes that side holds), computed independently, so a test can comp
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,18 +23,18 @@ import torch
 
 from rngd_pd import errors
 from rngd_pd.config.dtypes import torch_dtype
+from rngd_pd.config.env import RNGD_PD_KV_DEBUG_LOG
 from rngd_pd.kv.buffers import DEFAULT_CHECKSUM, as_bytes, checksum
 from rngd_pd.kv.handle import KVHandle, KVSpec, handle_index, k_index, v_index
 from rngd_pd.kv.protocol import flush
 
-ENV_DEBUG_LOG = "RNGD_PD_KV_DEBUG_LOG"
 HANDLE_MAX_BYTES = 1 << 20
 _log_lock = threading.Lock()
 
 
 def debug_log(side: str, key: str, index: int, data: Any) -> None:
     """Append one blob's checksum to $RNGD_PD_KV_DEBUG_LOG (no-op when unset)."""
-    path = os.environ.get(ENV_DEBUG_LOG)
+    path = RNGD_PD_KV_DEBUG_LOG.get()
     if not path:
         return
     view = as_bytes(data)

@@ -2,8 +2,10 @@
 
 Sources, weakest first: the field's default, the model's `kv_options` parameter (config.pbtxt, e.g.
 `addr=relay.kv:9100;crc=0`), the original's environment variables (`AIRM_KV_TCP_ADDR`, `PD_SHM_ROOT`,
-..., kept so ai-rm deployments work unchanged), then values a caller passes in code. A bad value is a
-ConfigError naming the option and where it came from, before any connection or file is made.
+..., kept so ai-rm deployments work unchanged; their defaults are in rngd_pd.config.env), then values a
+caller passes in code. A bad value is a ConfigError naming the option and where it came from, before
+any connection or file is made. nixl-ucx's `ttl_s` is `AIRM_KV_TCP_TTL_S`, the relay's: its arena slots
+have expired on that variable since its first version, and the original has no UCX name for it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rngd_pd.config.settings import param, parse_params
+from rngd_pd.config.env import (
+    AIRM_KV_SHM_CRC,
+    AIRM_KV_SHM_POOL_MB,
+    AIRM_KV_SHM_TTL_S,
+    AIRM_KV_TCP_ADDR,
+    AIRM_KV_TCP_CRC,
+    AIRM_KV_TCP_LOG,
+    AIRM_KV_TCP_SECRET,
+    AIRM_KV_TCP_TTL_S,
+    AIRM_KV_UCX_LOG,
+    AIRM_KV_UCX_POOL_MB,
+    AIRM_KV_UCX_READ_AHEAD,
+    FALSE,
+    PD_SHM_ROOT,
+)
+from rngd_pd.config.settings import CODE, param, parse_params, source_of, with_sources
 from rngd_pd.errors import ConfigError, TransportConfigError
 
 Opts = TypeVar("Opts")
@@ -22,26 +39,27 @@ Opts = TypeVar("Opts")
 
 @dataclass(frozen=True)
 class ShmOptions:
-    root: str | None = param(None, env="PD_SHM_ROOT", help="directory of the shared slots (/dev/shm/rngd-pd)")
-    ttl_s: float = param(300.0, env="AIRM_KV_SHM_TTL_S", help="seconds an unreleased key lives")
-    crc: bool = param(True, env="AIRM_KV_SHM_CRC", help="checksum every blob on both sides")
-    pool_mb: int = param(2048, env="AIRM_KV_SHM_POOL_MB", help="idle slot memory kept for reuse")
+    root: str | None = param(env=PD_SHM_ROOT, help="directory of the shared slots (/dev/shm/rngd-pd)")
+    ttl_s: float = param(env=AIRM_KV_SHM_TTL_S, help="seconds an unreleased key lives")
+    crc: bool = param(env=AIRM_KV_SHM_CRC, help="checksum every blob on both sides")
+    pool_mb: int = param(env=AIRM_KV_SHM_POOL_MB, help="idle slot memory kept for reuse")
 
 
 @dataclass(frozen=True)
 class RelayOptions:
-    addr: str | None = param(None, env="AIRM_KV_TCP_ADDR", help="host:port of the KV relay")
-    secret: str | None = param(None, env="AIRM_KV_TCP_SECRET", help="the relay's shared secret (HMAC)")
-    crc: str = param("crc32c", env="AIRM_KV_TCP_CRC", help="crc32c, crc32 (the original's) or 0 (none)")
-    log_blobs: bool = param(False, env="AIRM_KV_TCP_LOG", help="log each blob's SHA-256")
+    addr: str | None = param(env=AIRM_KV_TCP_ADDR, help="host:port of the KV relay")
+    secret: str | None = param(env=AIRM_KV_TCP_SECRET, help="the relay's shared secret (HMAC)")
+    crc: str = param(env=AIRM_KV_TCP_CRC, help="crc32c, crc32 (the original's) or 0 (none)")
+    log_blobs: bool = param(env=AIRM_KV_TCP_LOG, help="log each blob's SHA-256")
 
 
 @dataclass(frozen=True)
 class UcxOptions(RelayOptions):
-    log_blobs: bool = param(False, env="AIRM_KV_UCX_LOG", help="log each blob's SHA-256")
-    ttl_s: float = param(300.0, env="AIRM_KV_TCP_TTL_S", help="seconds an unread arena slot lives")
-    pool_mb: int = param(1024, env="AIRM_KV_UCX_POOL_MB", help="registered arena per process")
-    read_ahead: int = param(2, env="AIRM_KV_UCX_READ_AHEAD", help="descriptor GETs in flight per pull")
+    log_blobs: bool = param(env=AIRM_KV_UCX_LOG, help="log each blob's SHA-256")
+    ttl_s: float = param(env=AIRM_KV_TCP_TTL_S, help="seconds an unread arena slot lives (the relay's TTL "
+                                                    "variable: module docstring)")
+    pool_mb: int = param(env=AIRM_KV_UCX_POOL_MB, help="registered arena per process")
+    read_ahead: int = param(env=AIRM_KV_UCX_READ_AHEAD, help="descriptor GETs in flight per pull")
 
 
 def parse_kv_options(text: str) -> dict[str, str]:
@@ -64,7 +82,9 @@ def options(cls: type[Opts], name: str, config: Mapping[str, str] | str | None =
         parsed = parse_params(cls, values, generic_env=False, where=f"KV transport {name!r} option")
     except ConfigError as exc:
         raise TransportConfigError(str(exc)) from None
-    return dataclasses.replace(parsed, **{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
+    sources = {f.name: source_of(parsed, f.name) for f in dataclasses.fields(parsed)}  # type: ignore[arg-type]
+    return with_sources(dataclasses.replace(parsed, **given), {**sources, **dict.fromkeys(given, CODE)})
 
 
 def at_least(opts: Any, name: str, **minimums: float) -> None:
@@ -84,6 +104,6 @@ def crc_algorithm(value: str | bool | None) -> str | None:
     if value is None or value is False:
         return None
     text = "crc32c" if value is True else str(value).strip().lower()
-    if text in ("0", "off", "false", "no", "none", ""):
+    if text in FALSE | {"none", ""}:
         return None
     return "crc32" if text == "crc32" else "crc32c"

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from rngd_pd.config.env import AIRM_KV_TRANSPORT
 from rngd_pd.kv.protocol import Transport
 
 GROUP = "airm.kv_transports"
-ENV_NAME = "AIRM_KV_TRANSPORT"
-DEFAULT = "shm"
 # Found without any installed metadata (only the source tree on the path).
 BUILTIN: dict[str, str] = {"shm": "rngd_pd.kv.shm.transport:ShmTransport"}
 
@@ -61,7 +59,7 @@ def _resolve(name: str) -> Callable[..., Any]:
         return _import(BUILTIN[name])
     raise KeyError(
         f"unknown KV transport {name!r}; known: {', '.join(known_names())} "
-        f"(entry-point group {GROUP}; set {ENV_NAME} or pass a name)"
+        f"(entry-point group {GROUP}; set {AIRM_KV_TRANSPORT.name} or pass a name)"
     )
 
 
@@ -79,7 +77,7 @@ def load_transport(name: str | None = None, **options: Any) -> Transport:
     A registered object that is already a transport instance is returned as it is; a copy-only
     transport (plan/submit/wait) comes wrapped in `FencedTransport`.
     """
-    name = name or os.environ.get(ENV_NAME) or DEFAULT
+    name = name or AIRM_KV_TRANSPORT.get()
     obj = transport_class(name)
     if isinstance(obj, type) or not (hasattr(obj, "push") or hasattr(obj, "plan")):
         obj = obj(**options)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from rngd_pd.config.env import LD_LIBRARY_PATH, PATH, PYTHONPATH, TRITONSERVER, VIRTUAL_ENV
 from rngd_pd.config.settings import cache_root
 from rngd_pd.errors import RngdPdError
 from rngd_pd.host.children import die_with_parent
@@ -103,14 +104,12 @@ def _install_for(binary: Path) -> TritonInstall:
 
 def find_tritonserver(env: Mapping[str, str] | None = None) -> TritonInstall:
     """Locate tritonserver: $TRITONSERVER, then PATH, then nvidia-pytriton's bundled binary."""
-    env = os.environ if env is None else env
-    named = env.get("TRITONSERVER")
-    if named:
-        path = Path(named)
+    path = TRITONSERVER.get(env)
+    if path is not None:
         if not path.is_file() or not os.access(path, os.X_OK):
-            raise TritonServerError(f"$TRITONSERVER={named} is not an executable file; fix or unset it")
+            raise TritonServerError(f"${TRITONSERVER.name}={path} is not an executable file; fix or unset it")
         return _install_for(path)
-    on_path = shutil.which("tritonserver", path=env.get("PATH"))
+    on_path = shutil.which("tritonserver", path=PATH.get(env))
     if on_path:
         return _install_for(Path(on_path))
     bundled = _pytriton_install()
@@ -157,16 +156,16 @@ def _prepend(value: str, current: str | None) -> str:
 def server_env(install: TritonInstall, extra: Mapping[str, str] | None = None,
                base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver and its stubs: bundled libraries, this venv, rngd_pd importable."""
-    env = dict(os.environ if base is None else base)
+    env = dict(os.environ if base is None else base)  # the whole environment, for the child
     if install.libs is not None:
-        env["LD_LIBRARY_PATH"] = _prepend(str(install.libs), env.get("LD_LIBRARY_PATH"))
-    env["PATH"] = _prepend(str(Path(sys.executable).parent), env.get("PATH"))
+        env[LD_LIBRARY_PATH.name] = _prepend(str(install.libs), LD_LIBRARY_PATH.get(env))
+    env[PATH.name] = _prepend(str(Path(sys.executable).parent), PATH.get(env))
     if sys.prefix != sys.base_prefix:
-        env["VIRTUAL_ENV"] = sys.prefix
+        env[VIRTUAL_ENV.name] = sys.prefix
     package_parent = str(Path(__file__).resolve().parents[2])
     paths = [package_parent, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     for path in reversed(dict.fromkeys(paths)):
-        env["PYTHONPATH"] = _prepend(path, env.get("PYTHONPATH"))
+        env[PYTHONPATH.name] = _prepend(path, PYTHONPATH.get(env))
     env.update(extra or {})
     return env
 
@@ -235,7 +234,7 @@ def shell_command(cmd: Sequence[str], env: Mapping[str, str], keys: Sequence[str
     return " ".join([*assigns, *map(shlex.quote, cmd)])
 
 
-SHOWN_ENV = ("LD_LIBRARY_PATH", "PATH", "PYTHONPATH", "VIRTUAL_ENV")
+SHOWN_ENV = tuple(v.name for v in (LD_LIBRARY_PATH, PATH, PYTHONPATH, VIRTUAL_ENV))
 _NOISE = ("CudaDriverHelper", "CUDA driver version is insufficient")  # harmless on CPU-only hosts
 
 

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rngd_pd.config.env import RNGD_PD_SERVER_RESTARTS
 from rngd_pd.host.stubs import Failure, Stub, StubWatch
 from rngd_pd.wire.status import FAILED, READY, RECOVERING, ServerStatus, write_status
-
-ENV_RESTARTS = "RNGD_PD_SERVER_RESTARTS"  # how many times serve restarted tritonserver (0 at first start)
 
 _SERIES = re.compile(
     r'^(nv_inference_pending_request_count|nv_inference_exec_count)\{model="([^"]+)"[^}]*\} (\S+)$', re.M)
@@ -203,7 +202,7 @@ class Supervisor:
             if delay and self.stop.wait(delay):
                 return 0
             t0 = self.clock()
-            self.server.cfg.env[ENV_RESTARTS] = str(self.restarts)
+            self.server.cfg.env[RNGD_PD_SERVER_RESTARTS.name] = str(self.restarts)
             self.server.start()
             self.say(f"tritonserver started again (pid {self.server.proc.pid}), waiting until ready")
             try:

@@ -39,7 +39,6 @@ recording sink); `TritonSink` writes them through `pb_utils.MetricFamily` inside
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -98,10 +97,9 @@ class Load:
 
 def publishes_load(model: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether `model` publishes this server's load gauges (one model per server; module docstring)."""
-    from rngd_pd.config.params import ENV_ROLE
+    from rngd_pd.config.env import RNGD_PD_ROLE
 
-    env = os.environ if env is None else env
-    return LOAD_PUBLISHER.get(env.get(ENV_ROLE) or "all") == model
+    return LOAD_PUBLISHER.get(RNGD_PD_ROLE.get(env)) == model
 
 
 class LoadGauges:

@@ -8,15 +8,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rngd_pd.config.env import (
+    RNGD_PD_DECODE_URL,
+    RNGD_PD_DECODE_VIA,
+    RNGD_PD_DTYPE,
+    RNGD_PD_MODEL,
+    RNGD_PD_PREFILL_URL,
+)
 from rngd_pd.config.params import (
-    ENV_DECODE_URL,
-    ENV_DECODE_VIA,
-    ENV_PREFILL_URL,
     ServingParams,
     describe,
     instance_index,
     param,
     parse_params,
+    source_of,
 )
 from rngd_pd.kv import Transport, load_transport
 from rngd_pd.stubs import pbutils
@@ -62,11 +67,11 @@ class ColocatedParams(PrefixParams, ServingParams):
 
 @dataclass(frozen=True)
 class PdParams:
-    prefill_url: str | None = param(None, env=ENV_PREFILL_URL,
+    prefill_url: str | None = param(env=RNGD_PD_PREFILL_URL,
                                     help="gRPC host:port of a tritonserver with prefill (empty: BLS here)")
-    decode_url: str | None = param(None, env=ENV_DECODE_URL,
+    decode_url: str | None = param(env=RNGD_PD_DECODE_URL,
                                    help="gRPC host:port of a tritonserver with decode (empty: this one)")
-    decode_via: str = param("grpc", env=ENV_DECODE_VIA, choices=("grpc", "bls"),
+    decode_via: str = param(env=RNGD_PD_DECODE_VIA, choices=("grpc", "bls"),
                             help="how pd reaches a decode in this server: its own gRPC endpoint, or BLS "
                                  "(which can deadlock Triton 2.51's stub under load: docs/serving.md)")
     prefill_model: str = param("prefill", help="name of the prefill model")
@@ -84,7 +89,7 @@ class PdParams:
 
 @dataclass(frozen=True)
 class TextParams:
-    model_path: str | None = param(None, env="RNGD_PD_MODEL", help="checkpoint whose tokenizer to use")
+    model_path: str | None = param(env=RNGD_PD_MODEL, help="checkpoint whose tokenizer to use")
 
 
 def model_params(cls: type, args: Mapping[str, Any]) -> Any:
@@ -120,19 +125,15 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
     (rngd_pd.devices.kernels); bf16 wins where the CPU has native bf16 (AVX512-BF16, AMX, Arm BF16)
     and loses ~8x on AVX2 alone. bf16/fp32 force one. The choice and why go to the load log.
     """
-    import os
-
     import torch
 
-    from rngd_pd.config.params import ENV_DTYPE
     from rngd_pd.devices.cpu_features import choose_compute_dtype
     from rngd_pd.model import load_model
 
     device = check_device(params, args)
     if params.torch_threads > 0:
         torch.set_num_threads(params.torch_threads)
-    from_env = os.environ.get(ENV_DTYPE, "") != ""
-    source = f"${ENV_DTYPE} (rngd-pd serve --dtype)" if from_env else "the dtype parameter"
+    source = dtype_source(params)
     from rngd_pd.model.checkpoint import open_checkpoint
 
     config = open_checkpoint(params.model_path or None).config() if device.kind == "cpu" else None
@@ -149,6 +150,14 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
     pbutils.log(f"{args.get('model_instance_name', '?')}: runtime {type(runtime).__name__} on {device.name} "
                 f"({mem.free >> 20} of {mem.total >> 20} MiB free)")
     return runtime
+
+
+def dtype_source(params: ServingParams) -> str:
+    """Where the compute dtype came from, for the load log (recorded by parse_params, not re-read)."""
+    source = source_of(params, "dtype")
+    if source == f"${RNGD_PD_DTYPE.name}":
+        return f"{source} (rngd-pd serve --dtype)"
+    return source if source.startswith("$") else "the dtype parameter"
 
 
 def getter(request: Any) -> Callable[[str], Any]:

@@ -21,14 +21,15 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
+from rngd_pd.wire.tensors import NUMPY_DTYPES
+
 STATUS_WAIT_S = 5.0  # after the final response, how long the stream's status may take
 # reconnect within 2 s of Triton coming back (gRPC's default back-off grows to 120 s, which kept a
 # restarted server unreachable long after it was ready); messages as large as Triton allows
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**30), ("grpc.max_receive_message_length", 2**30),
                    ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
 
-NP_DTYPES = {"INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32,
-             "FP64": np.float64, "BOOL": np.bool_}
+NP_DTYPES = {k: v for k, v in NUMPY_DTYPES.items() if k != "BYTES"}  # the ones sent as raw numbers
 _TRITON_DTYPES = {np.dtype(v): k for k, v in NP_DTYPES.items()}
 
 

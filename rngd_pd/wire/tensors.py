@@ -46,13 +46,14 @@ CONTEXT_IDS = "context_ids"  # pd -> postprocess: the ids before this chunk, for
 ERRORS_IN_BAND = "errors_in_band"
 ERROR = "error"
 
-_NUMPY: dict[str, Any] = {
+# Triton data type -> numpy, the one table (the stubs' tensors, the gRPC codec, the front end).
+NUMPY_DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
     "INT32": np.int32,
     "INT64": np.int64,
     "UINT64": np.uint64,
-    "FP16": np.float16,
     "FP32": np.float32,
+    "FP64": np.float64,
     "BYTES": np.object_,
 }
 
@@ -69,7 +70,7 @@ class TensorSpec:
     @property
     def numpy_dtype(self) -> np.dtype:
         """The numpy dtype a `pb_utils.Tensor` of this spec carries (BYTES -> object)."""
-        return np.dtype(_NUMPY[self.dtype])
+        return np.dtype(NUMPY_DTYPES[self.dtype])
 
     @property
     def config_dtype(self) -> str:

@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
 from rngd_pd.errors import RngdPdError
 
 DEFAULT_CHUNKS = (128, 512)
@@ -116,12 +117,6 @@ def parse_chunks(text: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- the export wrappers (torch only)
-
-
-def _dtype(name: str) -> Any:
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 HEAD_WEIGHTS = ("norm", "lm_head")  # the head graph's weights, in its input order
@@ -491,12 +486,12 @@ def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
         from rngd_pd.model import load_model
 
         row["stage"] = "load"
-        loaded = load_model(None, dtype=_dtype(args.dtype), progress=False)
+        loaded = load_model(None, dtype=torch_dtype(args.dtype), progress=False)
         secs["load"] = round(time.perf_counter() - t0, 2)
 
         row["stage"] = "export"
         t = time.perf_counter()
-        ep = export(loaded.model, spec, _dtype(args.kv_dtype))
+        ep = export(loaded.model, spec, torch_dtype(args.kv_dtype))
         secs["export"] = round(time.perf_counter() - t, 2)
 
         row["stage"] = "preprocess"  # furiosa's decompositions (STD_DECOMPOSITIONS) and I/O passes
@@ -672,7 +667,7 @@ class CardWorker:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    ep = export(model, spec, _dtype(msg["kv_dtype"]))
+                    ep = export(model, spec, torch_dtype(msg["kv_dtype"]))
                     self.graphs[spec.name] = self.compile_graph(ep, spec.name)
                     rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
                 except Exception as exc:
@@ -685,7 +680,7 @@ class CardWorker:
         if op == "new_cache":
             shape = (msg["slots"], c.num_kv_heads, msg["max_len"], c.head_dim)
             cache = next(self._ids)
-            self.caches[cache] = [torch.zeros(shape, dtype=_dtype(msg["kv_dtype"])).to(dev)
+            self.caches[cache] = [torch.zeros(shape, dtype=torch_dtype(msg["kv_dtype"])).to(dev)
                                   for _ in range(2 * c.num_layers)]
             return {"cache": cache}, []
         if op == "load":  # K/V [KVH, T, hd] of one layer (layer >= 0) or of all layers (-1)
@@ -758,7 +753,7 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
     from rngd_pd.model import load_model
 
     dev = torch.device(f"furiosa:{index}")
-    loaded = load_model(source, dtype=_dtype(dtype), progress=False)
+    loaded = load_model(source, dtype=torch_dtype(dtype), progress=False)
     worker = CardWorker(loaded.model, dev,
                         lambda ep, name: CompileModule.from_exported(ep, task_name=name).to(dev),
                         lambda: memory(index))
@@ -808,8 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="past buckets a prefill chunk after earlier chunks attends over, e.g. 512,1024")
     ap.add_argument("--decode", type=parse_decode, default=DEFAULT_DECODE,
                     help="decode BxL shapes, e.g. 1x512,8x2048")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="compute dtype of the weights")
-    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--dtype", default="bf16", choices=COMPUTE_DTYPES, help="compute dtype of the weights")
+    ap.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES)
     ap.add_argument("--json", action="store_true", help="one JSON line per graph")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per graph")
     ap.add_argument("--no-cache", action="store_true", help="do not use the furiosa compiler cache")

@@ -38,13 +38,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rngd_pd.devices.base import TORCH_NAMES, Device, short_dtype, unavailable
+from rngd_pd.config.dtypes import lookup, short_dtype, torch_dtype, torch_name
+from rngd_pd.config.env import RNGD_PD_RNGD_VENV
+from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.npu import RNGD, cards
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets, plan_buckets
 from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
 
 RNGD_ENV = ".venv-rngd"
-ENV_RNGD_VENV = "RNGD_PD_RNGD_VENV"  # another location of the environment (containers)
 MAKE_HINT = "run `make rngd-env` in the repository (furiosa-torch 2026.4.0 in its own .venv-rngd)"
 DEFAULT_SHAPES = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype="bf16")
 DRIVER_LIB = "renegade"  # librenegade.so, the HAL library of the RNGD driver (the SDK panics without it)
@@ -57,8 +58,7 @@ def repo_root() -> Path:
 
 def rngd_env(env: Mapping[str, str] | None = None) -> Path:
     """Where the RNGD environment is (or would be): $RNGD_PD_RNGD_VENV, else <repo>/.venv-rngd."""
-    env = os.environ if env is None else env
-    return Path(env[ENV_RNGD_VENV]) if env.get(ENV_RNGD_VENV) else repo_root() / RNGD_ENV
+    return RNGD_PD_RNGD_VENV.get(env) or repo_root() / RNGD_ENV
 
 
 def rngd_python(env: Mapping[str, str] | None = None) -> Path | None:
@@ -83,14 +83,10 @@ def require_rngd_python(env: Mapping[str, str] | None = None) -> Path:
 
 def graph_args(shapes: GraphShapes) -> list[str]:
     """rngd_graphs command-line arguments for these shapes."""
-    def name(d: Any) -> str:
-        return d if isinstance(d, str) else {"torch.bfloat16": "bf16", "torch.float16": "fp16",
-                                             "torch.float32": "fp32"}.get(str(d), str(d))
-
     args = ["--chunks", ",".join(str(t) for t in shapes.prefill_chunks),
             "--past", ",".join(str(n) for n in shapes.prefill_past),
             "--decode", ",".join(f"{b}x{n}" for b, n in shapes.decode),
-            "--dtype", name(shapes.dtype), "--kv-dtype", name(shapes.kv_dtype)]
+            "--dtype", short_dtype(shapes.dtype), "--kv-dtype", short_dtype(shapes.kv_dtype)]
     return args
 
 
@@ -236,7 +232,7 @@ def read_message(stream: Any) -> tuple[dict[str, Any], list[Any]]:
     out = []
     for m in header.pop("tensors", []):
         buf = bytearray(stream.read(m["nbytes"]))
-        dtype = getattr(torch, TORCH_NAMES.get(m["dtype"], m["dtype"]))
+        dtype = getattr(torch, torch_name(m["dtype"]))
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         out.append(flat.view(dtype).reshape(m["shape"]))
     return header, out
@@ -275,7 +271,7 @@ class RngdCache:
         header, _ = worker.call("new_cache", slots=num_slots, max_len=max_len, kv_dtype=short_dtype(dtype))
         self.id = header["cache"]
         per = config.num_kv_heads * max_len * config.head_dim * 2 * config.num_layers * num_slots
-        self.nbytes = per * (4 if short_dtype(dtype) == "fp32" else 2)
+        self.nbytes = per * lookup(dtype).itemsize
 
     def load(self, slot: int, layer: int, k: Any, v: Any, start: int = 0) -> None:
         self.worker.call("load", [k, v], cache=self.id, slot=slot, layer=layer, start=start)
@@ -331,8 +327,6 @@ class RngdRuntime:
         self.past = tuple(sorted(set(self.past) | set(shapes.prefill_past)))
 
     def dtype(self, name: Any) -> Any:
-        from rngd_pd.devices.torch_runtime import torch_dtype
-
         return torch_dtype(name)
 
     def inference(self) -> contextlib.AbstractContextManager[Any]:

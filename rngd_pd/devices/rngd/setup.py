@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rngd_pd.config.env import PYTHON, RNGD_PD_RNGD_VENV
 
 SDK = "furiosa-torch==2026.4.0"
 SMI = "furiosa-smi==2026.4.0"  # discovery, power, temperature, memory (rngd_pd/devices/rngd/smi.py)
@@ -145,8 +146,8 @@ def build(venv: Path, repo: Path, base_python: str = sys.executable) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("venv", type=Path, nargs="?",
-                    default=Path(os.environ.get("RNGD_PD_RNGD_VENV") or ".venv-rngd"))
-    ap.add_argument("--python", default=os.environ.get("PYTHON", "python3.11"),
+                    default=RNGD_PD_RNGD_VENV.get() or Path(".venv-rngd"))
+    ap.add_argument("--python", default=PYTHON.get(),
                     help="the interpreter the environment is made from (Python 3.11)")
     args = ap.parse_args(argv)
     return build(args.venv, Path(__file__).resolve().parents[3], shutil.which(args.python) or args.python)

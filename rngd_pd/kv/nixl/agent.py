@@ -26,6 +26,16 @@ from typing import Any
 
 import numpy as np
 
+from rngd_pd.config.env import (
+    AIRM_KV_UCX_POOL_MB,
+    AIRM_KV_UCX_PROGRESS_US,
+    UCX_,
+    UCX_MODULES,
+    UCX_NET_DEVICES,
+    UCX_TCP_RX_SEG_SIZE,
+    UCX_TCP_TX_SEG_SIZE,
+    UCX_TLS,
+)
 from rngd_pd.errors import TransportError
 
 INSTALL_HINT = "install the NIXL wheels with the UCX plugin: pip install 'nixl>=1.5' 'nixl-cu12>=1.5'"
@@ -33,12 +43,8 @@ INSTALL_HINT = "install the NIXL wheels with the UCX plugin: pip install 'nixl>=
 # Defaults that work on these hosts, applied only where the environment does not already say otherwise.
 # TCP with 512 KiB segments moves a READ at ~2 GB/s instead of ~0.6 GB/s with UCX's 64 KiB default;
 # UCX_MODULES=^ib keeps the bundled libibverbs (and its libnl exit-time crash) out of the process.
-UCX_DEFAULTS: dict[str, str] = {
-    "UCX_TLS": "tcp",
-    "UCX_TCP_TX_SEG_SIZE": "512k",
-    "UCX_TCP_RX_SEG_SIZE": "512k",
-    "UCX_MODULES": "^ib",
-}
+UCX_DEFAULTS: dict[str, str] = {v.name: v.default for v in (UCX_TLS, UCX_TCP_TX_SEG_SIZE, UCX_TCP_RX_SEG_SIZE,
+                                                             UCX_MODULES)}
 
 # UCX transports that only work with NIXL's ucx_error_handling_mode=none (peer mode fails on them).
 _SHARED_MEMORY_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem")
@@ -50,19 +56,16 @@ _patch_lock = threading.Lock()
 # The progress thread of NIXL's UCX backend waits for UCX events with poll(timeout = this, rounded up
 # to ms). nixl_agent() hard-codes 0, and then that thread spins on a whole core in every process;
 # on a 2-core host that halved the transfer rate. UCX events wake it at once either way.
-PROGRESS_US_ENV = "AIRM_KV_UCX_PROGRESS_US"
-PROGRESS_US_DEFAULT = 1000
-
-
 def progress_delay_us() -> int:
     """The progress thread's poll timeout in microseconds ($AIRM_KV_UCX_PROGRESS_US, 0 = spin)."""
-    raw = os.environ.get(PROGRESS_US_ENV, str(PROGRESS_US_DEFAULT))
+    raw = AIRM_KV_UCX_PROGRESS_US.raw() or str(AIRM_KV_UCX_PROGRESS_US.default)
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 0:
-        raise TransportError(f"{PROGRESS_US_ENV} must be an int >= 0 (microseconds), got {raw!r}")
+        raise TransportError(f"{AIRM_KV_UCX_PROGRESS_US.name} must be an int >= 0 (microseconds), "
+                             f"got {raw!r}")
     return value
 
 
@@ -96,17 +99,17 @@ def apply_ucx_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """
     if env:
         os.environ.update({k: str(v) for k, v in env.items()})
-    tls = os.environ.setdefault("UCX_TLS", UCX_DEFAULTS["UCX_TLS"]).split(",")
-    uses_tcp = any(t.strip() in ("tcp", "all") for t in tls)
-    for name, value in UCX_DEFAULTS.items():
-        if uses_tcp or "_TCP_" not in name:  # UCX warns about settings of a transport it does not use
-            os.environ.setdefault(name, value)
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
+    preset = UCX_.members()
+    uses_tcp = any(t.strip() in ("tcp", "all") for t in preset.get(UCX_TLS.name, UCX_TLS.default).split(","))
+    # UCX warns about settings of a transport it does not use
+    os.environ.update({name: value for name, value in UCX_DEFAULTS.items()
+                       if name not in preset and (uses_tcp or "_TCP_" not in name)})
+    return UCX_.members()
 
 
 def backend_params(ucx_env: Mapping[str, str]) -> dict[str, str]:
     """NIXL UCX backend parameters for these UCX settings (shared memory needs error handling off)."""
-    tls = [t.strip().lstrip("^") for t in ucx_env.get("UCX_TLS", "").split(",") if t.strip()]
+    tls = [t.strip().lstrip("^") for t in ucx_env.get(UCX_TLS.name, "").split(",") if t.strip()]
     if any(t == s or t.startswith(s + "/") for t in tls for s in _SHARED_MEMORY_TLS):
         return {"ucx_error_handling_mode": "none"}
     return {}
@@ -341,12 +344,12 @@ def describe() -> dict[str, Any]:
             info[f"{pkg} version"] = version(pkg)
         except PackageNotFoundError:
             info[f"{pkg} version"] = None
-    preset = {k: os.environ[k] for k in UCX_DEFAULTS if k in os.environ}
+    preset = {k: v for k, v in UCX_.members().items() if k in UCX_DEFAULTS}
     ucx_env = apply_ucx_env()
     info["UCX settings (preset by you)"] = preset
     info["UCX settings in force"] = ucx_env
-    info["UCX transports"] = ucx_env.get("UCX_TLS", "all (UCX default)")
-    info["UCX devices"] = ucx_env.get("UCX_NET_DEVICES", "all (UCX default)")
+    info["UCX transports"] = ucx_env.get(UCX_TLS.name, "all (UCX default)")
+    info["UCX devices"] = ucx_env.get(UCX_NET_DEVICES.name, "all (UCX default)")
     info["UCX backend params (beyond the plugin defaults)"] = backend_params(ucx_env)
     try:
         agent = create_agent()
@@ -357,8 +360,8 @@ def describe() -> dict[str, Any]:
     info["plugins available"] = agent.get_plugin_list()
     info["UCX plugin params"] = agent.get_plugin_params("UCX")
     info["UCX memory types"] = agent.get_backend_mem_types("UCX")
-    info[f"progress thread poll timeout us ({PROGRESS_US_ENV})"] = progress_delay_us()
-    info["arena MiB (AIRM_KV_UCX_POOL_MB)"] = int(os.environ.get("AIRM_KV_UCX_POOL_MB", "1024"))
+    info[f"progress thread poll timeout us ({AIRM_KV_UCX_PROGRESS_US.name})"] = progress_delay_us()
+    info[f"arena MiB ({AIRM_KV_UCX_POOL_MB.name})"] = AIRM_KV_UCX_POOL_MB.get()
     info["infiniband devices"] = sorted(os.listdir("/sys/class/infiniband")) \
         if os.path.isdir("/sys/class/infiniband") else []
     return info

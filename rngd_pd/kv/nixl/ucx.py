@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from rngd_pd.config.env import AIRM_KV_TCP_ADDR
 from rngd_pd.errors import TransportError, TransportIntegrityError
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
 from rngd_pd.kv.nixl import endpoint as ucx_endpoint
@@ -328,7 +329,7 @@ class NixlUcxTransport(Closing):
                 return ep.held()[1] if ep else 0
 
             yield ConformanceCase(
-                options={"addr": relay.addr, "pool_mb": 256}, env={"AIRM_KV_TCP_ADDR": relay.addr},
+                options={"addr": relay.addr, "pool_mb": 256}, env={AIRM_KV_TCP_ADDR.name: relay.addr},
                 ttl_s=0.5, ttl_options={"addr": ttl_relay.addr, "ttl_s": 0.5}, corrupt=_corrupt_slot,
                 stored_blobs=stored_blobs, stored_bytes=stored_bytes)
 

@@ -17,14 +17,15 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rngd_pd.config.env import AIRM_KV_TCP_LOG, AIRM_KV_TCP_SECRET, AIRM_KV_TCP_TTL_S
 from rngd_pd.kv.buffers import make_room
 from rngd_pd.kv.relay import frames as wire
 
@@ -37,7 +38,7 @@ class RelayConfig:
     """Limits and policy of one relay."""
 
     max_bytes: int = 4 << 30
-    ttl_s: float = 300.0
+    ttl_s: float = AIRM_KV_TCP_TTL_S.default
     max_blob_bytes: int = 1 << 30
     max_key_bytes: int = 512
     pool_bytes: int = 512 << 20  # idle buffers kept for reuse (already faulted in)
@@ -321,12 +322,14 @@ class RelayServer:
             self.store.expire()
 
 
-def config_from_env(**overrides: object) -> RelayConfig:
-    """RelayConfig with AIRM_KV_TCP_TTL_S / AIRM_KV_TCP_LOG / AIRM_KV_TCP_SECRET applied, then overrides."""
+def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -> RelayConfig:
+    """RelayConfig with AIRM_KV_TCP_TTL_S / AIRM_KV_TCP_LOG / AIRM_KV_TCP_SECRET applied (read as the
+    clients read them: the registry's types and its one boolean rule), then overrides."""
+    secret = AIRM_KV_TCP_SECRET.get(env)
     cfg = RelayConfig(
-        ttl_s=float(os.environ.get("AIRM_KV_TCP_TTL_S", RelayConfig.ttl_s)),
-        log_blobs=os.environ.get("AIRM_KV_TCP_LOG", "0") == "1",
-        secret=os.environ.get("AIRM_KV_TCP_SECRET", "").encode() or None,
+        ttl_s=AIRM_KV_TCP_TTL_S.get(env),
+        log_blobs=AIRM_KV_TCP_LOG.get(env),
+        secret=secret.encode() if secret else None,
     )
     for name, value in overrides.items():
         if value is not None:

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import select
 import socket
 import threading
@@ -24,6 +23,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from rngd_pd.config.env import AIRM_KV_TCP_ADDR
 from rngd_pd.errors import (
     TransportCapacityError,
     TransportError,
@@ -358,7 +358,7 @@ class TcpTransport(Closing):
         from rngd_pd.kv.relay.proc import start_relay
 
         with contextlib.ExitStack() as stack:
-            addr = os.environ.get("AIRM_KV_TCP_ADDR")
+            addr = AIRM_KV_TCP_ADDR.get()
             ttl_opts = None
             if not addr:
                 addr = stack.enter_context(start_relay()).addr
@@ -372,7 +372,7 @@ class TcpTransport(Closing):
                 return sum(counts)
 
             yield ConformanceCase(
-                options={"addr": addr}, env={"AIRM_KV_TCP_ADDR": addr}, ttl_s=0.5, ttl_options=ttl_opts,
+                options={"addr": addr}, env={AIRM_KV_TCP_ADDR.name: addr}, ttl_s=0.5, ttl_options=ttl_opts,
                 corrupt=_corrupt_in_transit, stored_blobs=stored_blobs,
                 stored_bytes=lambda: probe.stat()["used_bytes"])
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from rngd_pd.config import params
+from rngd_pd.config.env import RNGD_PD_SERVER_RESTARTS
 from rngd_pd.errors import ConfigError
 from rngd_pd.stubs import metrics, pbutils
 from rngd_pd.wire.tensors import TOKEN_OUTPUTS, ModelSpec, TensorSpec
@@ -39,13 +40,13 @@ class TritonPythonModel:
         self.params = params.parse_params(EchoParams, args["model_config"])
         self.metrics = metrics.triton_metrics(args["model_name"])
         time.sleep(self.params.init_delay_s)
-        if self.params.abort_first_start and os.environ.get("RNGD_PD_SERVER_RESTARTS") == "0":
+        if self.params.abort_first_start and RNGD_PD_SERVER_RESTARTS.get() == 0:
             os.kill(os.getppid(), signal.SIGABRT)
             time.sleep(30)
         pbutils.log(f"echo: {params.describe(self.params)}")
 
     def execute(self, requests: list) -> None:
-        while self.params.stall_first_start and os.environ.get("RNGD_PD_SERVER_RESTARTS") == "0":
+        while self.params.stall_first_start and RNGD_PD_SERVER_RESTARTS.get() == 0:
             time.sleep(1.0)
         for request in requests:
             if self.params.threads:

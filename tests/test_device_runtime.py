@@ -200,8 +200,8 @@ def test_atom_runtime_decodes_like_the_cpu_through_its_adapter(engine_model, mon
 
 def _conformance(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "rngd_pd.commands.device_conformance", *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=env)
+    return subprocess.run([sys.executable, "-m", "rngd_pd.commands.device_conformance", *args],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
 def test_cpu_conformance_passes_for_every_shape() -> None:
@@ -265,6 +265,6 @@ def test_rngd_compile_only_conformance_takes_every_graph_through_the_furiosa_com
 
 def test_rngd_compile_only_without_its_environment_names_make_rngd_env(tmp_path) -> None:
     env = {**os.environ, "RNGD_PD_RNGD_VENV": str(tmp_path / "none")}
-    out = subprocess.run([sys.executable, "-m", "rngd_pd.commands.device_conformance", "rngd", "--compile-only"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = subprocess.run([sys.executable, "-m", "rngd_pd.commands.device_conformance", "rngd",
+                          "--compile-only"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 2 and "make rngd-env" in out.stderr, out.stderr

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], progress=False)
     ids = (loaded.tokenizer.encode("the cat sat on the mat. " * args.prompt_len))[: args.prompt_len]
     if args.share_cores:
-        from rngd_pd.devices.runtime import as_runtime
+        from rngd_pd.devices.torch_runtime import as_runtime
 
         runtime = as_runtime(loaded)
         print(f"cores: {runtime.share_cores('decode')}")

@@ -86,7 +86,7 @@ def bare_engine(loaded: Any, prompts: list[list[int]], max_tokens: int) -> dict[
     """The same measurement on the in-process ColocatedEngine (no Triton, no transfer), set up as
     the served models are: a share of 1 torch thread, idle cores lent when `share_cores` is on for the
     served models too, no prefix cache."""
-    from rngd_pd.devices.runtime import as_runtime
+    from rngd_pd.devices.torch_runtime import as_runtime
     from rngd_pd.engine.colocated import ColocatedEngine
     from rngd_pd.model.sampling import SamplingParams
 

@@ -20,7 +20,7 @@ from rngd_pd.config.settings import param, parse_params, source_of
 from rngd_pd.errors import ConfigError
 from rngd_pd.kv.options import RelayOptions, ShmOptions, UcxOptions, options
 from rngd_pd.kv.relay.server import config_from_env
-from rngd_pd.stubs import serving
+from rngd_pd.stubs import loading, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rngd_pd"
@@ -185,10 +185,10 @@ def test_the_load_log_names_the_dtype_source_from_what_was_parsed() -> None:
     named = parse_params(params.ServingParams, {}, env={"RNGD_PD_DTYPE": "fp32"})
     generic = parse_params(params.ServingParams, {}, env={"RNGD_PD_PARAM_DTYPE": "fp32"})
     config = parse_params(params.ServingParams, {"dtype": "fp32"}, env={})
-    assert serving.dtype_source(named) == "$RNGD_PD_DTYPE (rngd-pd serve --dtype)"
-    assert serving.dtype_source(generic) == "$RNGD_PD_PARAM_DTYPE"
-    assert serving.dtype_source(config) == "the dtype parameter"
-    assert serving.dtype_source(params.ServingParams()) == "the dtype parameter"
+    assert loading.dtype_source(named) == "$RNGD_PD_DTYPE (rngd-pd serve --dtype)"
+    assert loading.dtype_source(generic) == "$RNGD_PD_PARAM_DTYPE"
+    assert loading.dtype_source(config) == "the dtype parameter"
+    assert loading.dtype_source(params.ServingParams()) == "the dtype parameter"
 
 
 def test_transport_options_given_in_code_say_so(monkeypatch) -> None:

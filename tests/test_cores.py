@@ -129,7 +129,7 @@ def test_host_cores_is_what_this_process_may_run_on() -> None:
 
 def test_the_runtime_lends_only_where_the_bits_stay_the_same(tmp_path: Path, monkeypatch) -> None:
     from rngd_pd.devices import cores as cores_module
-    from rngd_pd.devices.runtime import as_runtime
+    from rngd_pd.devices.torch_runtime import as_runtime
     from rngd_pd.model import load_model
 
     monkeypatch.setattr(cores_module, "BOARD", tmp_path / "board")

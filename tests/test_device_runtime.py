@@ -15,7 +15,9 @@ import pytest
 from rngd_pd.config.env import RNGD_PD_ATOM_CACHE
 from rngd_pd.devices import atom
 from rngd_pd.devices.base import Device
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime, runtime_for
+from rngd_pd.devices.binding import runtime_for
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.errors import DeviceUnavailableError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +48,8 @@ def test_a_model_configured_for_a_missing_device_fails_to_load_naming_it(kind, m
     import torch
 
     import rngd_pd.model
-    from rngd_pd.stubs.serving import PrefillParams, load_for
+    from rngd_pd.stubs.loading import load_for
+    from rngd_pd.stubs.serving import PrefillParams
 
     if kind == "cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")

@@ -21,7 +21,9 @@ import torch
 
 from rngd_pd.config.env import RNGD_PD_RNGD_VENV
 from rngd_pd.devices.base import Device
+from rngd_pd.devices.rngd import env as rngd_envs
 from rngd_pd.devices.rngd import graphs as rngd_graphs
+from rngd_pd.devices.rngd import messages
 from rngd_pd.devices.rngd import runtime as rngd
 from rngd_pd.devices.rngd import setup as rngd_setup
 from rngd_pd.devices.runtime import GraphShapes
@@ -41,16 +43,16 @@ def _fake_env(tmp_path, *, installed=True):
 
 def test_missing_environment_says_make_rngd_env(tmp_path):
     env = {RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")}
-    assert rngd.rngd_python(env) is None
+    assert rngd_envs.rngd_python(env) is None
     with pytest.raises(DeviceUnavailableError, match=r"run `make rngd-env`"):
         rngd.compile_check(GraphShapes(prefill_chunks=(128,)), env=env)
 
 
 def test_environment_without_its_stamp_counts_as_missing(tmp_path):
     env = _fake_env(tmp_path, installed=False)
-    assert rngd.rngd_python(env) is None
+    assert rngd_envs.rngd_python(env) is None
     with pytest.raises(DeviceUnavailableError, match=r"incomplete; run `make rngd-env`"):
-        rngd.require_rngd_python(env)
+        rngd_envs.require_rngd_python(env)
 
 
 def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path, monkeypatch):
@@ -129,8 +131,8 @@ def test_last_progress_names_the_compiler_stage():
 
 def test_compile_processes_die_with_their_caller():
     """A caller killed by its own timeout must not leave an hour-long compile behind."""
-    code = ("import subprocess, time\nfrom rngd_pd.devices.rngd.graphs import die_with_parent\n"
-            "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent)\n"
+    code = ("import subprocess, time\nfrom rngd_pd.host.children import killed_with_parent\n"
+            "p = subprocess.Popen(['sleep', '60'], preexec_fn=killed_with_parent)\n"
             "print(p.pid, flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
@@ -152,7 +154,7 @@ def _alive(pid):
 
 def test_worker_messages_round_trip():
     ts = [torch.randn(3, 5).to(torch.bfloat16), torch.arange(4), torch.zeros(0, dtype=torch.float32)]
-    header, out = rngd.read_message(io.BytesIO(rngd.pack_message({"op": "decode", "cache": 7}, ts)))
+    header, out = messages.read_message(io.BytesIO(messages.pack_message({"op": "decode", "cache": 7}, ts)))
     assert header == {"op": "decode", "cache": 7}
     assert [t.dtype for t in out] == [t.dtype for t in ts]
     assert all(torch.equal(a, b) for a, b in zip(out, ts, strict=True))
@@ -330,11 +332,11 @@ def _rngd_ready_or_skip():
     saying why. The one skip in CI: `make rngd-env` found no room on the disk for the environment
     (rngd_setup's marker says how much it needed and had)."""
     why = None
-    no_room = rngd_setup.no_room_marker(rngd.rngd_env())
-    if rngd.rngd_python() is None and no_room.exists():
+    no_room = rngd_setup.no_room_marker(rngd_envs.rngd_env())
+    if rngd_envs.rngd_python() is None and no_room.exists():
         pytest.skip(no_room.read_text().strip())
-    if rngd.rngd_python() is None:
-        why = f"{rngd.rngd_env()} is missing: run `make rngd-env`"
+    if rngd_envs.rngd_python() is None:
+        why = f"{rngd_envs.rngd_env()} is missing: run `make rngd-env`"
     elif rngd_graphs.toolchain_missing():
         why = f"{rngd_graphs.toolchain_missing()} (`make rngd-toolchain`)"
     if why and os.environ.get("CI") == "true":
@@ -346,7 +348,7 @@ def _rngd_ready_or_skip():
 def _conformance(*args, timeout=3000):
     cmd = [sys.executable, "-m", "rngd_pd.commands.device_conformance", "rngd", "--compile-only", *args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=rngd.repo_root(), timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=rngd_envs.repo_root(), timeout=timeout)
     print(" ".join(cmd[1:]), proc.stdout, proc.stderr[-3000:], f"{time.monotonic() - t0:.0f} s", sep="\n")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "furiosa-torch 2026.4.0" in proc.stdout and "compiler fc43f6a779" in proc.stdout
@@ -387,7 +389,7 @@ def test_rngd_compile_only_conformance():
 def test_rngd_env_without_room_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rngd_setup, "NEED_FRESH", 1 << 60)
     venv = tmp_path / "venvs" / "venv-rngd"
-    assert rngd_setup.build(venv, rngd.repo_root()) == rngd_setup.NO_ROOM_EXIT
+    assert rngd_setup.build(venv, rngd_envs.repo_root()) == rngd_setup.NO_ROOM_EXIT
     why = rngd_setup.no_room_marker(venv).read_text()
     assert "rngd-env needs about" in why and "GB free" in why and "RNGD_PD_RNGD_VENV=" in why
     assert why.strip() in capsys.readouterr().err
@@ -455,7 +457,7 @@ def test_smi_snapshot_runs_the_real_furiosa_smi(tmp_path):
     absence said; without the environment, the fix named."""
     missing = rngd.smi_snapshot({RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")})
     assert missing["devices"] == [] and "make rngd-env" in missing["error"]
-    if rngd.rngd_python() is None:
+    if rngd_envs.rngd_python() is None:
         pytest.skip("needs .venv-rngd: run `make rngd-env`")
     smi = rngd.smi_snapshot()
     assert smi["sdk"] == {"furiosa-smi": "2026.4.0"} and not smi["error"], smi
@@ -476,9 +478,9 @@ class _InProcess:
         self.worker = worker
 
     def call(self, op, tensors=(), **args):
-        msg, ts = rngd.read_message(io.BytesIO(rngd.pack_message({"op": op, **args}, list(tensors))))
+        msg, ts = messages.read_message(io.BytesIO(messages.pack_message({"op": op, **args}, list(tensors))))
         header, out = self.worker.answer(msg, ts)
-        header, out = rngd.read_message(io.BytesIO(rngd.pack_message(header, out)))
+        header, out = messages.read_message(io.BytesIO(messages.pack_message(header, out)))
         if header.get("error"):
             raise RngdPdError(f"RNGD worker, {op}: {header['error']}")
         return header, out
@@ -492,7 +494,7 @@ def test_rngd_runtime_and_card_worker_conform_on_cpu_graphs():
     second after a past padded to its bucket), decode of 2 rows at their own lengths (a width
     padded by the worker where fewer rows run), KV through a card-resident cache and back."""
     from rngd_pd.commands import device_conformance as conformance
-    from rngd_pd.devices.runtime import as_runtime
+    from rngd_pd.devices.torch_runtime import as_runtime
     from rngd_pd.model import load_model
 
     loaded = load_model(None, dtype=torch.float32, progress=False)

@@ -175,13 +175,14 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
 
     monkeypatch.setattr(kernels, "measured", lambda config, cpu: (
         BF16_TIMES if cpu.native_bf16 else AVX2_TIMES, False))
-    import rngd_pd.model
     from rngd_pd.devices import runtime
-    from rngd_pd.stubs.serving import PrefillParams, load_for
+    from rngd_pd.stubs import loading
+    from rngd_pd.stubs.serving import PrefillParams
 
+    load_for = loading.load_for
     loaded: list = []
-    monkeypatch.setattr(rngd_pd.model, "load_model", lambda path, dtype, progress: loaded.append(dtype))
-    monkeypatch.setattr(runtime, "runtime_for", lambda device, model: types.SimpleNamespace(
+    monkeypatch.setattr(loading, "load_model", lambda path, dtype, progress: loaded.append(dtype))
+    monkeypatch.setattr(loading, "runtime_for", lambda device, model: types.SimpleNamespace(
         memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29), share_cores=lambda phase: f"lent ({phase})"))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))
     monkeypatch.delenv(RNGD_PD_DTYPE.name, raising=False)

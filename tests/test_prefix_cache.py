@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import torch
 
-from rngd_pd.devices.runtime import as_runtime
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.colocated import ColocatedEngine
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.prefix import PrefixCache, block_names

@@ -82,7 +82,7 @@ def test_model_py_is_a_thin_shim_to_an_importable_class(name: str) -> None:
 @pytest.mark.parametrize("device", ["rngd", "atom"])
 def test_a_missing_npu_fails_the_load_naming_it_and_the_cpu_config(device: str) -> None:
     from rngd_pd.errors import DeviceUnavailableError
-    from rngd_pd.stubs.serving import load_for
+    from rngd_pd.stubs.loading import load_for
 
     with pytest.raises(DeviceUnavailableError, match="--model-config-name cpu"):
         load_for(PrefillParams(device=device), {"model_instance_name": "prefill_0_0"})

@@ -197,7 +197,8 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
     import torch
 
     from rngd_pd.devices import select_device
-    from rngd_pd.devices.runtime import as_runtime, runtime_for
+    from rngd_pd.devices.binding import runtime_for
+    from rngd_pd.devices.torch_runtime import as_runtime
     from rngd_pd.model import load_model
 
     device = select_device(kind, device_id)  # raises naming the missing SDK / card

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rngd_pd.config.env import RNGD_PD_DEV_ROOT
 from rngd_pd.devices.allocation import resolve_ordinal, visible_cards
 from rngd_pd.devices.base import Device, DeviceReport, unavailable
+from rngd_pd.devices.rngd.env import rngd_env, rngd_python
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,6 @@ def sdk_missing(npu: NpuKind, env: Mapping[str, str] | None = None) -> str | Non
     """Why the SDK cannot be used, or None when it can. RNGD's lives in its own environment
     (furiosa-torch pins torch 2.10 and numpy 2: rngd_pd/devices/rngd/runtime.py); ATOM's is imported here."""
     if npu is RNGD:
-        from rngd_pd.devices.rngd.runtime import rngd_env, rngd_python
 
         if rngd_python(env) is None:
             return f"the FuriosaAI RNGD SDK environment {rngd_env(env)} is missing or incomplete"

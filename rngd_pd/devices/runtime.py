@@ -162,33 +162,3 @@ class DeviceRuntime(Protocol):
     def memory(self) -> MemoryInfo:
         """Bytes on the device: total and free (for the load log, `rngd-pd devices`, the EPP)."""
         ...
-
-
-def as_runtime(obj: Any) -> DeviceRuntime:
-    """A runtime as is; a LoadedModel bound to torch on the CPU (what tests and tools pass)."""
-    if isinstance(obj, DeviceRuntime):
-        return obj
-    from rngd_pd.devices.torch_runtime import TorchRuntime
-
-    return TorchRuntime(Device("cpu", 0, "cpu", "host CPU"), obj)
-
-
-def runtime_for(device: Device, loaded: Any) -> DeviceRuntime:
-    """The runtime of a selected device. cpu/cuda: torch (the weights move to the GPU); rngd/atom:
-    the vendor adapter, which raises naming what it lacks. Never the CPU for a card."""
-    if device.kind in ("cpu", "cuda"):
-        from rngd_pd.devices.torch_runtime import TorchRuntime
-
-        return TorchRuntime(device, loaded)
-    if device.kind == "rngd":
-        from rngd_pd.devices.rngd.runtime import RngdRuntime
-
-        return RngdRuntime(device, loaded)
-    if device.kind == "atom":
-        from rngd_pd.devices.atom import AtomRuntime
-
-        return AtomRuntime(device, loaded)
-    from rngd_pd.devices.base import unavailable
-
-    raise unavailable(f"no runtime for device kind {device.kind!r}", "use cpu, cuda, rngd or atom")
-

@@ -20,7 +20,7 @@ import torch
 
 from rngd_pd.config.dtypes import torch_dtype
 from rngd_pd.devices.base import Device, unavailable
-from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -253,3 +253,10 @@ def _host_memory() -> MemoryInfo:
             fields[name] = int(rest.split()[0]) * 1024
     total = fields.get("MemTotal", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return MemoryInfo(total, fields.get("MemAvailable", 0))
+
+
+def as_runtime(obj: Any) -> DeviceRuntime:
+    """A runtime as is; a LoadedModel bound to torch on the CPU (what tests and tools pass)."""
+    if isinstance(obj, DeviceRuntime):
+        return obj
+    return TorchRuntime(Device("cpu", 0, "cpu", "host CPU"), obj)

@@ -12,7 +12,8 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rngd_pd.devices.runtime import DeviceRuntime, as_runtime
+from rngd_pd.devices.runtime import DeviceRuntime
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.request import DecodeRequest, GenerationResult, TokenEvent

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, as_runtime, plan_buckets
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, plan_buckets
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.request import (
     DecodeRequest,
     RequestState,

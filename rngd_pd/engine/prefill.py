@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, as_runtime, past_buckets
+from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, past_buckets
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError

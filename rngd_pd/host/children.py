@@ -41,6 +41,12 @@ def _start_time(pid: int) -> str:
         return f.read().rsplit(") ", 1)[1].split()[19]
 
 
+def killed_with_parent() -> None:
+    """die_with_parent with SIGKILL, for the RNGD compiles and card workers: a caller killed by its own
+    timeout leaves no compile running for an hour."""
+    die_with_parent(signal.SIGKILL)
+
+
 def exit_when_orphaned(poll_s: float = 1.0) -> None:
     """Kill this process within `poll_s` when its parent dies: a Python backend stub whose tritonserver
     was killed would otherwise live on with the model in memory (seen: a decode stub orphaned for 33

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.devices.runtime import as_runtime
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.local_prefill import Threshold, measure
 from rngd_pd.engine.prefill import PrefillEngine
@@ -32,9 +32,10 @@ from rngd_pd.kv.handoff import KVReceiver
 from rngd_pd.model.params import FinishReason
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop
-from rngd_pd.stubs.serving import DecodeParams, getter, load_for, model_params, transport_for
+from rngd_pd.stubs.serving import DecodeParams, getter, model_params, transport_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 

@@ -28,9 +28,10 @@ from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.stubs import pbutils
 from rngd_pd.stubs.clients import RETIRED, BlsClient, GrpcClient, local_grpc_url
+from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop, Stream
-from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, load_for, model_params
+from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, model_params
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T

@@ -10,14 +10,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from rngd_pd import errors
-from rngd_pd.devices.runtime import as_runtime
+from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.kv.handle import KVHandle, KVSpec
 from rngd_pd.kv.handoff import KVSender
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.stubs import pbutils
+from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
-from rngd_pd.stubs.serving import PrefillParams, getter, load_for, model_params, transport_for
+from rngd_pd.stubs.serving import PrefillParams, getter, model_params, transport_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 

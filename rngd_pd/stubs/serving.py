@@ -1,5 +1,5 @@
-"""What the repository's model.py files share: their parameter dataclasses, loading a model on the
-configured device, and reading a request's inputs.
+"""What the repository's model.py files share: their parameter dataclasses, reading a request's
+inputs and building the KV transport (loading a model onto its device: stubs/loading.py).
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from typing import Any
 from rngd_pd.config.env import (
     RNGD_PD_DECODE_URL,
     RNGD_PD_DECODE_VIA,
-    RNGD_PD_DTYPE,
     RNGD_PD_MODEL,
     RNGD_PD_PREFILL_URL,
 )
 from rngd_pd.config.params import (
     ServingParams,
     describe,
-    instance_index,
     param,
     parse_params,
-    source_of,
 )
+from rngd_pd.host.children import exit_when_orphaned
 from rngd_pd.kv import Transport, load_transport
 from rngd_pd.stubs import pbutils
 
@@ -95,69 +93,10 @@ class TextParams:
 def model_params(cls: type, args: Mapping[str, Any]) -> Any:
     """Parse this model's parameters from Triton's initialize args and log them. Every model's
     `initialize` starts here, so this is also where the stub learns to exit with its tritonserver."""
-    from rngd_pd.host.children import exit_when_orphaned
-
     exit_when_orphaned()
     params = parse_params(cls, args["model_config"])
     pbutils.log(f"{args.get('model_name', '?')} ({args.get('model_instance_name', '?')}): {describe(params)}")
     return params
-
-
-def check_device(params: ServingParams, args: Mapping[str, Any]) -> Any:
-    """The device this instance runs on (rngd_pd.devices); DeviceUnavailableError names what is missing.
-
-    NPU instances keep host tensors (the vendor adapters take them); the torch graphs run on cpu here.
-    """
-    from rngd_pd.devices import select_device
-
-    instance = instance_index(args.get("model_instance_name", ""))
-    device = select_device(params.device, params.device_id_for(instance), instance=instance)
-    pbutils.log(f"{args.get('model_instance_name', '?')}: device {device.name} ({device.detail})")
-    return device
-
-
-def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both") -> Any:
-    """Check the device, set torch threads, load the checkpoint (embedded model when no path) and
-    bind it to the device's runtime (rngd_pd.devices.runtime): the engines run only through it.
-
-    Compute dtype `auto` (the default): on a CPU, the faster of bf16 and fp32 for this model's
-    `phase` (prefill, decode, or both for colocated), measured on this host and cached
-    (rngd_pd.devices.kernels); bf16 wins where the CPU has native bf16 (AVX512-BF16, AMX, Arm BF16)
-    and loses ~8x on AVX2 alone. bf16/fp32 force one. The choice and why go to the load log.
-    """
-    import torch
-
-    from rngd_pd.devices.cpu_features import choose_compute_dtype
-    from rngd_pd.model import load_model
-
-    device = check_device(params, args)
-    if params.torch_threads > 0:
-        torch.set_num_threads(params.torch_threads)
-    source = dtype_source(params)
-    from rngd_pd.model.checkpoint import open_checkpoint
-
-    config = open_checkpoint(params.model_path or None).config() if device.kind == "cpu" else None
-    choice = choose_compute_dtype(params.dtype, device=device.kind, source=source, phase=phase, config=config)
-    pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
-                "warn" if choice.warning else "info")
-    from rngd_pd.devices.runtime import runtime_for
-
-    loaded = load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
-    runtime = runtime_for(device, loaded)
-    if device.kind == "cpu" and params.share_cores:
-        pbutils.log(f"{args.get('model_instance_name', '?')}: cores: {runtime.share_cores(phase)}")
-    mem = runtime.memory()
-    pbutils.log(f"{args.get('model_instance_name', '?')}: runtime {type(runtime).__name__} on {device.name} "
-                f"({mem.free >> 20} of {mem.total >> 20} MiB free)")
-    return runtime
-
-
-def dtype_source(params: ServingParams) -> str:
-    """Where the compute dtype came from, for the load log (recorded by parse_params, not re-read)."""
-    source = source_of(params, "dtype")
-    if source == f"${RNGD_PD_DTYPE.name}":
-        return f"{source} (rngd-pd serve --dtype)"
-    return source if source.startswith("$") else "the dtype parameter"
 
 
 def getter(request: Any) -> Callable[[str], Any]:

@@ -56,6 +56,7 @@ from typing import Any
 
 from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
 from rngd_pd.errors import RngdPdError
+from rngd_pd.host.children import killed_with_parent
 
 DEFAULT_CHUNKS = (128, 512)
 DEFAULT_DECODE = ((1, 512), (8, 2048))
@@ -562,16 +563,6 @@ def last_progress(text: str) -> str:
     return ""
 
 
-def die_with_parent() -> None:
-    """preexec_fn of our subprocesses: SIGKILLed when the process that started them dies, so a
-    caller killed by its own timeout leaves no compile running for an hour."""
-    import signal
-
-    from rngd_pd.host.children import die_with_parent as with_signal
-
-    with_signal(signal.SIGKILL)
-
-
 def _rss_gb(pid: int) -> float:
     with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -607,7 +598,7 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     base = _row_base(spec, args)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, preexec_fn=killed_with_parent)
         code, killed = _watch(proc, args.timeout, args.max_rss_gb)
         out.seek(0)
         err.seek(0)
@@ -741,14 +732,14 @@ class CardWorker:
 
 
 def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
-    """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.runtime.pack_message) handled
+    """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.messages) handled
     by a CardWorker on `furiosa:<index>`. NOT verified on a card: written against furiosa-torch
     2026.4's sources (CompileModule.from_exported, .to(device), forward); its message handling runs
     in tests with CPU graphs."""
     import torch
     from furiosa.torch import CompileModule
 
-    from rngd_pd.devices.rngd.runtime import pack_message, read_message
+    from rngd_pd.devices.rngd.messages import pack_message, read_message
     from rngd_pd.devices.rngd.smi import memory
     from rngd_pd.model import load_model
 

@@ -30,7 +30,6 @@ import ctypes.util
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import threading
@@ -38,44 +37,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rngd_pd.config.dtypes import lookup, short_dtype, torch_dtype, torch_name
-from rngd_pd.config.env import RNGD_PD_RNGD_VENV
+from rngd_pd.config.dtypes import lookup, short_dtype, torch_dtype
 from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.npu import RNGD, cards
+from rngd_pd.devices.rngd.env import MAKE_HINT, repo_root, require_rngd_python, rngd_env, rngd_python
+from rngd_pd.devices.rngd.messages import pack_message, read_message
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets, plan_buckets
-from rngd_pd.errors import ConfigError, DeviceUnavailableError, RngdPdError
+from rngd_pd.errors import ConfigError, RngdPdError
+from rngd_pd.host.children import killed_with_parent
 
-RNGD_ENV = ".venv-rngd"
-MAKE_HINT = "run `make rngd-env` in the repository (furiosa-torch 2026.4.0 in its own .venv-rngd)"
 DEFAULT_SHAPES = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype="bf16")
 DRIVER_LIB = "renegade"  # librenegade.so, the HAL library of the RNGD driver (the SDK panics without it)
 _GRAPHS = "rngd_pd.devices.rngd.graphs"
-
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
-
-
-def rngd_env(env: Mapping[str, str] | None = None) -> Path:
-    """Where the RNGD environment is (or would be): $RNGD_PD_RNGD_VENV, else <repo>/.venv-rngd."""
-    return RNGD_PD_RNGD_VENV.get(env) or repo_root() / RNGD_ENV
-
-
-def rngd_python(env: Mapping[str, str] | None = None) -> Path | None:
-    """The environment's python when it is there and set up (its stamp file), else None."""
-    venv = rngd_env(env)
-    python = venv / "bin" / "python"
-    from rngd_pd.devices.rngd.setup import STAMP
-
-    return python if python.exists() and (venv / STAMP).exists() else None
-
-
-def require_rngd_python(env: Mapping[str, str] | None = None) -> Path:
-    python = rngd_python(env)
-    if python is None:
-        raise DeviceUnavailableError(f"the FuriosaAI RNGD environment {rngd_env(env)} is missing or "
-                                     f"incomplete; {MAKE_HINT}")
-    return python
 
 
 # ---------------------------------------------------------------- compile check (runs here)
@@ -132,10 +105,9 @@ def parse_rows(text: str) -> list[dict[str, Any]]:
 def _run_module(python: Path, args: list[str], timeout: float | None,
                 env: Mapping[str, str] | None) -> subprocess.CompletedProcess[str]:
     """`python -m ARGS` in the RNGD environment, from the repository, killed with its caller."""
-    from rngd_pd.devices.rngd.graphs import die_with_parent  # stdlib only at import
 
     return subprocess.run([str(python), "-m", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=repo_root(), env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
+                          cwd=repo_root(), env={**os.environ, **(env or {})}, preexec_fn=killed_with_parent)
 
 
 def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
@@ -207,47 +179,15 @@ def check_card(device: Device, env: Mapping[str, str] | None = None) -> None:
         raise unavailable(missing, "install the FuriosaAI driver (furiosa-driver-rngd) on the host")
 
 
-def pack_message(header: dict[str, Any], tensors: Sequence[Any] = ()) -> bytes:
-    """One worker message: u32 header length, the JSON header (with the tensors' dtype and
-    shape), then each tensor's raw bytes (torch tensors; torch 2.13 and 2.10 share the layout)."""
-    import torch
-
-    blobs, meta = [], []
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        blobs.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        meta.append({"dtype": short_dtype(t.dtype), "shape": list(t.shape), "nbytes": len(blobs[-1])})
-    head = json.dumps({**header, "tensors": meta}).encode()
-    return struct.pack("<I", len(head)) + head + b"".join(blobs)
-
-
-def read_message(stream: Any) -> tuple[dict[str, Any], list[Any]]:
-    """The inverse of pack_message, read from a binary stream; EOFError at its end."""
-    import torch
-
-    raw = stream.read(4)
-    if len(raw) < 4:
-        raise EOFError("the RNGD worker closed its pipe")
-    header = json.loads(stream.read(struct.unpack("<I", raw)[0]))
-    out = []
-    for m in header.pop("tensors", []):
-        buf = bytearray(stream.read(m["nbytes"]))
-        dtype = getattr(torch, torch_name(m["dtype"]))
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-        out.append(flat.view(dtype).reshape(m["shape"]))
-    return header, out
-
-
 class _Worker:
     """The `.venv-rngd` process that owns the card (rngd_graphs --serve). Not verified: no card."""
 
     def __init__(self, python: Path, device: Device, source: str, dtype: str) -> None:
         cmd = [str(python), "-m", _GRAPHS, "--serve", "--device-index", str(device.index),
                "--model", source, "--dtype", dtype]
-        from rngd_pd.devices.rngd.graphs import die_with_parent
 
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
-                                     cwd=repo_root(), preexec_fn=die_with_parent)
+                                     cwd=repo_root(), preexec_fn=killed_with_parent)
         self.lock = threading.Lock()
 
     def call(self, op: str, tensors: Iterable[Any] = (), **args: Any) -> tuple[dict[str, Any], list[Any]]:

@@ -3,6 +3,7 @@ fails when an arrow runs backwards, and the import graph has no cycle."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -91,3 +92,38 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     for a, b in (("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d")):
         graph.add_import(importer=a, imported=b)
     assert _cycles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+# The only packages imported inside functions, each for its reason; everything else is imported at the
+# top of its module, so the imports show the graph.
+LAZY = {
+    "torch": "heavy (about a second and hundreds of MB): the front end, the text stubs, the relay and the "
+             "device probes never load it",
+    "furiosa": "FuriosaAI's SDK exists only in .venv-rngd (another torch and numpy)",
+    "furiosa_smi": "installed only in .venv-rngd",
+    "nixl": "optional wheels (the nixl extra)",
+    "rebel": "Rebellions' SDK, installed only on ATOM hosts",
+    "triton_python_backend_utils": "exists only inside Triton's Python stub",
+    "rm_core": "ai-rm's registry, used when ai-rm is installed",
+}
+
+
+def _function_imports() -> list[tuple[str, int, str]]:
+    found = []
+    for path in sorted((ROOT / "rngd_pd").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        guards = [node for node in tree.body
+                  if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)]
+        checking = {id(n) for guard in guards for n in ast.walk(guard)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in top | checking:
+                name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                found.append((str(path.relative_to(ROOT)), node.lineno, name or ""))
+    return found
+
+
+def test_imports_inside_functions_are_only_the_optional_and_heavy_ones() -> None:
+    bad = [f"{path}:{line}: {name}" for path, line, name in _function_imports()
+           if name.split(".")[0] not in LAZY]
+    assert bad == [], "import these at the top of the module (or name the reason in LAZY): " + ", ".join(bad)

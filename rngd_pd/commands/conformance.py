@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from rngd_pd.kv.conformance import add_arguments as add
+from rngd_pd.kv.conformance import run as run_suite
+
 HELP = "run the KV transport contract suite against a registered transport"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from rngd_pd.kv.conformance import add_arguments as add
-
     add(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.kv.conformance import run as run_suite
-
     return run_suite(args)

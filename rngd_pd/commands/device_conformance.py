@@ -31,11 +31,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes
+from rngd_pd.devices import select_device
+from rngd_pd.devices.binding import runtime_for
+from rngd_pd.devices.rngd.runtime import compile_check, configured_shapes
+from rngd_pd.devices.runtime import DEFAULT_SHAPES, DeviceRuntime, GraphShapes
+from rngd_pd.devices.torch_runtime import as_runtime
+from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.errors import DeviceUnavailableError
-
-DEFAULT_CHUNKS = (128, 512)
-DEFAULT_DECODE = ((1, 512), (4, 512), (8, 2048))
+from rngd_pd.model import load_model
+from rngd_pd.model.sampling import SamplingParams
 
 
 @dataclass
@@ -83,9 +87,6 @@ def _close(ref: Any, got: Any, atol: float, rtol: float) -> tuple[bool, float]:
 def check_prefill(dev: DeviceRuntime, ref: DeviceRuntime, chunk: int, atol: float,
                   rtol: float) -> list[Check]:
     """One prompt filling the chunk, one of 1.5 chunks (run in two: the chunked path)."""
-    from rngd_pd.engine.prefill import PrefillEngine
-    from rngd_pd.model.sampling import SamplingParams
-
     checks = []
     params = SamplingParams(max_tokens=1)
     for n in (chunk, chunk + chunk // 2):
@@ -114,9 +115,6 @@ def check_decode(dev: DeviceRuntime, ref: DeviceRuntime, width: int, bucket: int
     """`width` rows of different lengths decoded together; every row's greedy tokens must equal
     the reference's for the same row decoded the same way (prompts prefilled in chunks of `chunk`,
     the graphs a static-shape device prepared; KV in `kv_dtype` on both sides)."""
-    from rngd_pd.engine.prefill import PrefillEngine
-    from rngd_pd.model.sampling import SamplingParams
-
     def run() -> tuple[bool, str]:
         lengths = [max(2, min(bucket - steps - 1, 8 + 13 * r)) for r in range(width)]
         prompts = [_prompt(ref.loaded.tokenizer, n, 100 + r) for r, n in enumerate(lengths)]
@@ -196,11 +194,6 @@ def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime
     """(the device's runtime, the CPU fp32 reference), each with its own copy of the weights."""
     import torch
 
-    from rngd_pd.devices import select_device
-    from rngd_pd.devices.binding import runtime_for
-    from rngd_pd.devices.torch_runtime import as_runtime
-    from rngd_pd.model import load_model
-
     device = select_device(kind, device_id)  # raises naming the missing SDK / card
     dev = runtime_for(device, load_model(None, dtype=torch_dtype(dtype), progress=False))
     ref = as_runtime(load_model(None, dtype=torch.float32, progress=False))
@@ -226,7 +219,6 @@ def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_grap
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
-    from rngd_pd.devices.rngd.runtime import compile_check
 
     checks = []
     for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache,
@@ -274,11 +266,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-unique-shapes", type=int, default=None,
                    help="--compile-only: bound the compiler's tactic search (e.g. 16: a layer compiles "
                         "several times faster; its tactics may run slower on a card)")
-    p.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)), help="prefill chunk lengths")
+    p.add_argument("--chunks", default=",".join(map(str, DEFAULT_SHAPES.prefill_chunks)),
+                   help="prefill chunk lengths")
     p.add_argument("--past", default="",
                    help="--compile-only: past buckets of a prefill chunk after earlier chunks, e.g. 512,1024 "
                         "(on a card the prefill engine prepares its own)")
-    p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_DECODE),
+    p.add_argument("--decode", default=",".join(f"{b}x{n}" for b, n in DEFAULT_SHAPES.decode),
                    help="decode shapes WIDTHxBUCKET, comma-separated")
     p.add_argument("--config-shapes", action="store_true",
                    help="rngd: the shapes the model repository's rngd configs need (prefill chunk_size, "
@@ -296,8 +289,6 @@ def run(args: argparse.Namespace) -> int:
     shapes = GraphShapes(tuple(int(c) for c in args.chunks.split(",") if c), parse_decode(args.decode),
                          args.dtype, args.kv_dtype, tuple(int(n) for n in args.past.split(",") if n))
     if args.config_shapes:
-        from rngd_pd.devices.rngd.runtime import configured_shapes
-
         shapes = dataclasses.replace(configured_shapes(), dtype=args.dtype, kv_dtype=args.kv_dtype)
     atol = args.atol if args.atol is not None else (1e-4 if args.dtype == "fp32" else 5e-2)
     try:

@@ -12,7 +12,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from rngd_pd.commands.serve import CONFIG_CHOICES, choose_config_name, default_repository
 from rngd_pd.config.env import RNGD_PD_DTYPE, RNGD_PD_MODEL
+from rngd_pd.devices import probe_devices
 from rngd_pd.devices.cpu_features import (
     CpuFeatures,
     DtypeChoice,
@@ -20,6 +22,7 @@ from rngd_pd.devices.cpu_features import (
     read_cpu_features,
 )
 from rngd_pd.devices.rngd.runtime import smi_snapshot
+from rngd_pd.model.checkpoint import open_checkpoint
 
 HELP = "list usable devices (cpu, cuda, rngd, atom), the model config and compute dtype serve would choose"
 
@@ -41,8 +44,6 @@ def compute_dtype_choice(env: Mapping[str, str] | None = None, phase: str | None
     requested = RNGD_PD_DTYPE.get(env)
     config = None
     if phase is not None:
-        from rngd_pd.model.checkpoint import open_checkpoint
-
         config = open_checkpoint(RNGD_PD_MODEL.get(env)).config()
     return (choose_compute_dtype(requested, source=f"${RNGD_PD_DTYPE.name}", phase=phase, config=config),
             read_cpu_features())
@@ -109,8 +110,6 @@ def smi_lines(smi: Mapping) -> list[str]:
 
 def config_rows(repository: Path, role: str, usable: set[str], reasons: Mapping[str, str]) -> list[dict]:
     """Each device binding of the model repository: can it load here for `role`, and if not why."""
-    from rngd_pd.commands.serve import CONFIG_CHOICES
-
     out = []
     for variant, needs in CONFIG_CHOICES:
         if variant is not None and not any(repository.glob(f"*/configs/{variant}.pbtxt")):
@@ -123,9 +122,6 @@ def config_rows(repository: Path, role: str, usable: set[str], reasons: Mapping[
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.commands.serve import choose_config_name, default_repository
-    from rngd_pd.devices import probe_devices
-
     rows = probe_devices()
     usable = {r.kind for r in rows if r.available}
     repository = (args.repository or default_repository()).resolve()

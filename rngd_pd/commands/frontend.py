@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 
+from rngd_pd.errors import RngdPdError
+from rngd_pd.frontend.app import run as serve
+from rngd_pd.frontend.config import FrontendConfig
+
 HELP = "serve the OpenAI API (/v1/completions, /v1/chat/completions) in front of Triton's gRPC endpoint"
 
 
@@ -62,7 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):  # -> FrontendConfig (imported lazily)
-    from rngd_pd.frontend.config import FrontendConfig
 
     return FrontendConfig(
         triton_url=args.triton_url,
@@ -80,9 +83,6 @@ def config_from_args(args: argparse.Namespace):  # -> FrontendConfig (imported l
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.errors import RngdPdError
-    from rngd_pd.frontend.app import run as serve
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         serve(config_from_args(args))

@@ -8,6 +8,10 @@ import sys
 import time
 
 from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
+from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.errors import ConfigError, RngdPdError
+from rngd_pd.model import load_model
+from rngd_pd.model.sampling import SamplingParams
 
 HELP = "generate text for one prompt in this process (colocated engine, no Triton, no transfer)"
 
@@ -32,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.errors import RngdPdError
-
     try:
         return _generate(args)
     except RngdPdError as e:
@@ -44,11 +46,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from rngd_pd.engine.colocated import ColocatedEngine
-    from rngd_pd.errors import ConfigError
-    from rngd_pd.model import load_model
-    from rngd_pd.model.sampling import SamplingParams
-
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from rngd_pd.kv.relay.server import RelayServer, config_from_env
+
 HELP = "run the KV relay (tcp transport's blob store; nixl-ucx's descriptor store)"
 
 
@@ -22,8 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.kv.relay.server import RelayServer, config_from_env
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config_from_env(
         max_bytes=args.max_mb << 20,

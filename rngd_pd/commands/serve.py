@@ -13,9 +13,13 @@ tritonserver with the same command, a bounded number of times.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +36,20 @@ from rngd_pd.config.env import (
     RNGD_PD_SERVER_RESTARTS,
 )
 from rngd_pd.config.settings import param_env
+from rngd_pd.devices import probe_devices
+from rngd_pd.host.stubs import Failure, StubWatch
+from rngd_pd.kv.registry import known_names
+from rngd_pd.serve.server import (
+    SHOWN_ENV,
+    ServerConfig,
+    TritonServer,
+    TritonServerError,
+    free_port,
+    shell_command,
+    stop_process_group,
+)
+from rngd_pd.serve.supervisor import ProgressWatch, RestartPolicy, Supervisor
+from rngd_pd.wire.status import FAILED, STARTING, STOPPING
 
 HELP = "serve the model repository with tritonserver (and the OpenAI front end)"
 
@@ -148,17 +166,12 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return "--max-restarts must be >= 0 and --restart-window > 0"
     if args.hang_timeout < 0:
         return "--hang-timeout must be >= 0 (0 = off)"
-    if args.kv_transport:
-        from rngd_pd.kv.registry import known_names
-
-        if args.kv_transport not in known_names():
-            return f"unknown --kv-transport {args.kv_transport!r}; known: {', '.join(known_names())}"
+    if args.kv_transport and args.kv_transport not in known_names():
+        return f"unknown --kv-transport {args.kv_transport!r}; known: {', '.join(known_names())}"
     return None
 
 
 def _usable_devices() -> set[str]:
-    from rngd_pd.devices import probe_devices
-
     return {row.kind for row in probe_devices() if row.available}
 
 
@@ -172,16 +185,12 @@ def _frontend_argv(args: argparse.Namespace, grpc_url: str, status: Path | None 
 def _start_frontend(args: argparse.Namespace, grpc_url: str,
                     status: Path | None = None) -> subprocess.Popen | None:
     """The OpenAI front end as a child process (`rngd-pd frontend`), or None when unavailable/disabled."""
-    import importlib.util
-
     if args.openai_port < 0 or args.role not in ("all", "gateway"):
         return None
     if importlib.util.find_spec("rngd_pd.commands.frontend") is None:
         print("serve: rngd_pd.commands.frontend is not available; no OpenAI front end", flush=True)
         return None
     if args.openai_port == 0:
-        from rngd_pd.serve.server import free_port
-
         args.openai_port = free_port(args.host)
     return subprocess.Popen(_frontend_argv(args, grpc_url, status), start_new_session=True,
                             stdin=subprocess.DEVNULL)
@@ -190,8 +199,6 @@ def _start_frontend(args: argparse.Namespace, grpc_url: str,
 def _wait_port(host: str, port: int, proc: subprocess.Popen, stop: threading.Event,
                timeout: float = 120.0) -> bool:
     """Wait until the front end accepts connections (False if it exited, a signal came, or timeout)."""
-    import socket
-
     deadline = time.monotonic() + timeout
     while proc.poll() is None and not stop.is_set() and time.monotonic() < deadline:
         with socket.socket() as s:
@@ -216,8 +223,6 @@ def _supervise(supervisor, frontend: subprocess.Popen | None, stop: threading.Ev
 
 
 def run(args: argparse.Namespace) -> int:
-    from rngd_pd.serve.server import SHOWN_ENV, ServerConfig, TritonServer, TritonServerError, shell_command
-
     repository = (args.repository or default_repository()).resolve()
     problem = validate(args, repository)
     if problem:
@@ -235,7 +240,6 @@ def run(args: argparse.Namespace) -> int:
     extra = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in models)) if models else ()
     cfg = ServerConfig(repository, config_name, args.host, args.http_port, args.grpc_port, args.metrics_port,
                        env=model_env(args), log_verbose=args.log_verbose, extra_args=extra)
-    from rngd_pd.host.stubs import StubWatch
 
     watch = StubWatch()
     try:
@@ -250,14 +254,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, server, watch) -> int:
-    import shutil
-    import tempfile
-
-    from rngd_pd.host.stubs import Failure
-    from rngd_pd.serve.server import TritonServerError, stop_process_group
-    from rngd_pd.serve.supervisor import ProgressWatch, RestartPolicy, Supervisor
-    from rngd_pd.wire.status import FAILED, STARTING, STOPPING
-
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     own_dir = None if args.status_file else Path(tempfile.mkdtemp(prefix="rngd-pd-serve-"))

@@ -24,14 +24,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rngd_pd.config.dtypes import DTYPES, KV_DTYPES, short_dtype, torch_dtype
 from rngd_pd.config.env import RBLN_TARGET_SOC, RNGD_PD_ATOM_CACHE
 from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
+from rngd_pd.devices.torch_runtime import _host_memory
 from rngd_pd.errors import ConfigError
+from rngd_pd.model.cache import KVCache
+from rngd_pd.model.static import StaticDecode
 
 SDK = "rebel"
-NPU_NAMES = {"RBLN-CA02": "ATOM", "RBLN-CA12": "ATOM+", "RBLN-CA22": "ATOM+", "RBLN-CA25": "ATOM-Max"}
 DEFAULT_CACHE = Path.home() / ".cache" / "rngd-pd" / "atom"
 InputInfo = list[tuple[str, list[int], str]]  # rebel's (name, shape, dtype) per graph input
 
@@ -106,7 +110,6 @@ class AtomRuntime:
         weights, and open a runtime on the card."""
         if not shapes.decode:
             return  # a prefill-only request of a decode device: nothing to build
-        from rngd_pd.model.static import StaticDecode
 
         version = str(getattr(self.rebel, "__version__", "unknown"))
         path = self.cache_dir / f"decode-{cache_key(self.loaded.fingerprint, shapes, self.npu, version)}.rbln"
@@ -147,12 +150,9 @@ class AtomRuntime:
         return torch.empty(tuple(shape), dtype=self.dtype(dtype))  # host memory: the graph's input
 
     def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:
-        from rngd_pd.model.cache import KVCache
-
         return KVCache(self.loaded.config, num_slots, max_len, self.dtype(kv_dtype))
 
     def step_buffers(self, rows: int) -> tuple[Any, Any]:
-        import numpy as np
         import torch
 
         host = np.zeros((3, rows), dtype=np.int64)
@@ -172,7 +172,6 @@ class AtomRuntime:
         full_tokens[slots], full_pos[slots] = tokens, positions
         caches = [t for kv in zip(cache.k, cache.v, strict=True) for t in kv]
         outs = self._runtime.run(full_tokens, full_pos, *caches)
-        from rngd_pd.model.static import StaticDecode
 
         return StaticDecode.write_back(cache, tuple(outs), slots, positions).float()[:b]
 
@@ -186,6 +185,4 @@ class AtomRuntime:
         """Nothing is kept per thread."""
 
     def memory(self) -> MemoryInfo:
-        from rngd_pd.devices.torch_runtime import _host_memory
-
         return _host_memory()  # the KV is in host memory on this path; rbln-smi reports the card's

@@ -14,6 +14,7 @@ torch is imported only for the `cuda` device and for `DtypeChoice.torch_dtype`.
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import sys
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rngd_pd.config.dtypes import AUTO, COMPUTE_CHOICES, torch_dtype
+from rngd_pd.devices import kernels
 from rngd_pd.errors import ConfigError
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -183,13 +185,10 @@ def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | It
 
 def _measured_choice(phase: str, config: Any, cpu: CpuFeatures) -> DtypeChoice | None:
     """auto by measurement (rngd_pd.devices.kernels); None when it cannot run (then the flags decide)."""
-    from rngd_pd.devices import kernels
-
     kernels.check_phase(phase)
     try:
         times, cached = kernels.measured(config, cpu)
     except Exception as exc:  # a kernel that fails here fails in serving too; the flags still choose
-        import logging
 
         logging.getLogger(__name__).warning("could not time the kernels (%r); choosing by CPU flags", exc)
         return None

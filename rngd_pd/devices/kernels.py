@@ -35,6 +35,8 @@ from typing import Any
 from rngd_pd.config.dtypes import COMPUTE_DTYPES, torch_dtype
 from rngd_pd.config.settings import cache_root
 from rngd_pd.errors import ConfigError
+from rngd_pd.model.cache import KVCache
+from rngd_pd.model.llama import Llama
 
 PHASES = ("prefill", "decode", "both")
 PREFILL_TOKENS = 256
@@ -90,8 +92,6 @@ def cache_key(config: Any, cpu: Any, threads: int, torch_version: str) -> str:
 def _probe(config: Any, dtype: Any) -> Any:
     import torch
 
-    from rngd_pd.model.llama import Llama
-
     layers = min(PROBE_LAYERS, config.num_layers)
     vocab = max(256, config.vocab_size * layers // config.num_layers)
     small = dataclasses.replace(config, num_layers=layers, vocab_size=vocab,
@@ -120,8 +120,6 @@ def _fastest(runs: dict[str, Any], repeat: int) -> dict[str, float]:
 def measure(config: Any, repeat: int = 5) -> PhaseTimes:
     """Time the probe model's prefill and decode step in each candidate dtype (current torch threads)."""
     import torch
-
-    from rngd_pd.model.cache import KVCache
 
     prefills, steps = {}, {}
     for name in COMPUTE_DTYPES:

@@ -57,6 +57,12 @@ class GraphShapes:
                 f"{buckets}, {self.dtype} compute, {self.kv_dtype} KV")
 
 
+# What a device is checked and compiled for when nothing names its shapes: a chunk below the configured
+# 512 and the chunk itself; decode one row, a partly filled width and a full one (device conformance,
+# the RNGD compile check and its graphs' command line all start here).
+DEFAULT_SHAPES = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (4, 512), (8, 2048)), dtype="bf16")
+
+
 def past_buckets(chunk: int, max_context: int) -> tuple[int, ...]:
     """The past lengths a static-shape prefill prepares for a prompt of up to max_context tokens in
     chunks of `chunk` (or after a reused prefix of any length): doubling from one chunk, the last

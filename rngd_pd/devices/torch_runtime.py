@@ -9,6 +9,7 @@ to the host only where a transport needs it. On `cpu` nothing moves. Shapes are 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -20,8 +21,10 @@ import torch
 
 from rngd_pd.config.dtypes import torch_dtype
 from rngd_pd.devices.base import Device, unavailable
+from rngd_pd.devices.cores import CoreShare, host_cores
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
+from rngd_pd.model.cache import KVCache
 
 if TYPE_CHECKING:
     from rngd_pd.devices.cores import CoreShare
@@ -50,8 +53,6 @@ class TorchRuntime:
         """Join the host's core board (rngd_pd.devices.cores) with this thread's torch threads as the
         share; lend idle cores only where a step and a prefill give the same bits at the share and at
         every core (checked now, ~1 s). Returns what was decided, for the load log."""
-        from rngd_pd.devices.cores import CoreShare, host_cores
-
         if self.device.kind != "cpu":
             return "not on a CPU: no cores to lend"
         share, cores = torch.get_num_threads(), host_cores()
@@ -120,8 +121,6 @@ class TorchRuntime:
         return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.torch_device)
 
     def new_cache(self, num_slots: int, max_len: int, kv_dtype: Any) -> Any:
-        from rngd_pd.model.cache import KVCache
-
         dtype = torch_dtype(kv_dtype)
         return KVCache(self.loaded.config, num_slots, max_len, dtype, device=self.torch_device)
 
@@ -157,8 +156,6 @@ class _OpenMP:
     without libgomp falls back to torch's own setter."""
 
     def __init__(self) -> None:
-        import ctypes
-
         gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
         try:
             lib = ctypes.CDLL(gomp if os.path.exists(gomp) else None)
@@ -203,8 +200,6 @@ def _same_bits_at(runtime: TorchRuntime, share: int, cores: int, phase: str) -> 
     """"" when a decode step (rows 1..16, the widths where CPU GEMMs change code paths) and a
     prefill give the same bits at `share` and at `cores` threads on this host; else what differed.
     Runs on the calling thread and leaves its thread count at `share`."""
-    from rngd_pd.model.cache import KVCache
-
     model, c = runtime.loaded.model, runtime.loaded.config
     gen = torch.Generator().manual_seed(0)
     runs: list[Callable[[], torch.Tensor]] = []

@@ -14,6 +14,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -236,8 +237,6 @@ def _set_integer_bounds(node: Any, maximum: int) -> None:
 
 def run(config: FrontendConfig) -> None:
     """Serve until interrupted (blocking). `rngd-pd serve` calls this in-process or via `rngd-pd frontend`."""
-    import uvicorn
-
     app = create_app(config)
     log.warning(
         "OpenAI front end on http://%s:%d/v1 -> Triton %s model '%s'",

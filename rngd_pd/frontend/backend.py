@@ -26,7 +26,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, answer, bad_request
 from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams
-from rngd_pd.wire import grpc_codec as grpc_wire
+from rngd_pd.wire import grpc_codec
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.grpc_codec import NP_DTYPES as _NP
 from rngd_pd.wire.inputs import sampling_values
@@ -91,7 +91,7 @@ class TritonBackend:
 
     def _get_stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._stub is None:  # created lazily: a grpc.aio channel belongs to the running loop
-            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_wire.CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_codec.CHANNEL_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
@@ -173,7 +173,7 @@ class TritonBackend:
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc, self) from None
         request = _build_request(self.model, req, info)
-        call = self._get_stub().ModelStreamInfer(grpc_wire.once(request))
+        call = self._get_stub().ModelStreamInfer(grpc_codec.once(request))
         done = False
         try:
             async for resp in call:
@@ -206,7 +206,7 @@ class TritonBackend:
             done = True
             raise _rpc_error(exc, self) from None
         finally:
-            await grpc_wire.finish(call, done)
+            await grpc_codec.finish(call, done)
 
 
 def _str_param(config: model_config_pb2.ModelConfig, key: str) -> str:
@@ -238,7 +238,7 @@ def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> servic
     values = {T.INPUT_IDS: req.input_ids, T.STREAM: [True], **sampling_values(req.params)}
     arrays = {name: _array(dtype, seq, info.batched)
               for name, seq in values.items() if (dtype := info.inputs.get(name)) is not None}
-    out = grpc_wire.stream_request(model, arrays, request_id=req.request_id)
+    out = grpc_codec.stream_request(model, arrays, request_id=req.request_id)
     if req.prefill_at:  # pd prefills this request there (rngd_pd.stubs.pd_model)
         out.parameters[PREFILLER_HEADER].string_param = req.prefill_at
     return out
@@ -262,8 +262,8 @@ def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tu
         if out.name == T.OUTPUT_IDS:
             ids = tuple(np.frombuffer(raw, dtype=_NP.get(out.datatype, np.int32)).tolist())
         elif out.name == T.FINISH_REASON:
-            reason = _finish_reason(b"".join(grpc_wire.unpack_bytes(raw)[:1]).decode())
-    return TokenChunk(ids, reason, received_at), grpc_wire.is_final(resp)
+            reason = _finish_reason(b"".join(grpc_codec.unpack_bytes(raw)[:1]).decode())
+    return TokenChunk(ids, reason, received_at), grpc_codec.is_final(resp)
 
 
 def _finish_reason(text: str) -> FinishReason | None:

@@ -19,7 +19,6 @@ from rngd_pd.kv.buffers import CHECKSUMS, DEFAULT_CHECKSUM, as_bytes, checksum
 FORMAT_VERSION = 1
 # Per layer, K and V each [num_kv_heads, num_tokens, head_dim], C-contiguous (Llama.prefill's output).
 LAYOUT_HTD = "htd"
-LAYOUTS = (LAYOUT_HTD,)
 
 
 def k_index(layer: int) -> int:

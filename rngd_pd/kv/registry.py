@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd.config.env import AIRM_KV_TRANSPORT
+from rngd_pd.kv.fenced import FencedTransport, is_copy_only
 from rngd_pd.kv.protocol import Transport
 
 GROUP = "airm.kv_transports"
@@ -81,6 +82,5 @@ def load_transport(name: str | None = None, **options: Any) -> Transport:
     obj = transport_class(name)
     if isinstance(obj, type) or not (hasattr(obj, "push") or hasattr(obj, "plan")):
         obj = obj(**options)
-    from rngd_pd.kv.fenced import FencedTransport, is_copy_only
 
     return FencedTransport(obj) if is_copy_only(obj) else obj

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from rngd_pd.errors import ModelLoadError
@@ -51,8 +52,6 @@ class GGUFCheckpoint:
     """An opened GGUF file (memory-mapped); tensors are dequantized one at a time on demand."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         self.files = [path]
         try:
@@ -114,8 +113,6 @@ class GGUFCheckpoint:
         return {"rope_type": str(kind), "factor": float(self._arch("rope.scaling.factor", 1.0))}
 
     def _array(self, name: str) -> np.ndarray:
-        import gguf
-
         t = self.tensors[name]
         try:
             return gguf.quants.dequantize(t.data, t.tensor_type)

@@ -12,6 +12,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import safe_open
+
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig, config_from_hf
 from rngd_pd.model.tokenizer import HFTokenizer, Tokenizer
@@ -88,8 +90,6 @@ class HFCheckpoint:
         return sum(len(self._open(f).keys()) for f in self.files)
 
     def _open(self, f: Path) -> Any:
-        from safetensors import safe_open
-
         try:
             return safe_open(str(f), framework="pt")
         except Exception as e:  # SafetensorError on a truncated or corrupt header

@@ -70,9 +70,6 @@ def load_model(
     return LoadedModel(config, model, tokenizer, fingerprint(config, files), str(ckpt.path))
 
 
-_open = open_checkpoint  # kept for callers written against the first cut
-
-
 def _ticking(items: Iterable[tuple[str, Tensor | np.ndarray]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:
     """Tensors (a GGUF gives numpy arrays, safetensors torch tensors), ticking the progress bar."""
     for name, t in items:

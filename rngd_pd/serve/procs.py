@@ -61,12 +61,3 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still exists (used to prove no stub outlived a server)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import shlex
 import shutil
@@ -36,8 +37,7 @@ from rngd_pd.config.env import LD_LIBRARY_PATH, PATH, PYTHONPATH, TRITONSERVER, 
 from rngd_pd.config.settings import cache_root
 from rngd_pd.errors import RngdPdError
 from rngd_pd.host.children import die_with_parent
-from rngd_pd.serve.procs import (  # noqa: F401 - stop_process_group, group_alive: public here too
-    group_alive,
+from rngd_pd.serve.procs import (
     remove_shm_regions,
     shm_regions,
     stop_process_group,
@@ -77,8 +77,6 @@ class TritonInstall:
 
 
 def _pytriton_install() -> TritonInstall | None:
-    import importlib.util
-
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         return None

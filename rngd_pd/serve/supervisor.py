@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +36,6 @@ _SERIES = re.compile(
 
 
 def _fetch(url: str, timeout: float = 5.0) -> str:
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
 

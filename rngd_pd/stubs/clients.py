@@ -28,11 +28,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2_grpc
 
 from rngd_pd import errors
 from rngd_pd.stubs import pbutils
-from rngd_pd.wire import grpc_codec as grpc_wire
+from rngd_pd.wire import grpc_codec
 
 STREAM_TIMEOUT_S = 600.0  # no response from a remote decode for this long fails the request
 
@@ -188,8 +191,6 @@ class GrpcClient:
     same server (pd reaches its local decode this way, see `rngd_pd.stubs.pd_model`)."""
 
     def __init__(self, url: str) -> None:
-        import tritonclient.grpc as grpcclient
-
         self.url = url
         self._grpc = grpcclient
         self._client = grpcclient.InferenceServerClient(url)  # unary calls share one channel
@@ -226,19 +227,15 @@ class GrpcClient:
 
     def _stream_stub(self) -> Any:
         if self._stub is None:  # on LOOP's thread: a grpc.aio channel belongs to its loop
-            import grpc
-            from tritonclient.grpc import service_pb2_grpc
 
-            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_wire.CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.url, options=grpc_codec.CHANNEL_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
     async def _read(self, request: Any, items: queue.SimpleQueue) -> None:
         """One stream's responses into `items`: ("out", arrays, final) ..., or ("err", message)."""
-        import grpc
-
         try:
-            call = self._stream_stub().ModelStreamInfer(grpc_wire.once(request))
+            call = self._stream_stub().ModelStreamInfer(grpc_codec.once(request))
         except Exception as exc:  # e.g. a malformed address: the reader must hear of it at once
             items.put(("err", f"cannot open a gRPC stream: {type(exc).__name__}: {exc}"))
             return
@@ -249,9 +246,9 @@ class GrpcClient:
                     done = True
                     items.put(("err", response.error_message))
                     return
-                final = grpc_wire.is_final(response.infer_response)
+                final = grpc_codec.is_final(response.infer_response)
                 done = done or final
-                items.put(("out", grpc_wire.output_arrays(response.infer_response), final))
+                items.put(("out", grpc_codec.output_arrays(response.infer_response), final))
                 if final:
                     return
             done = True
@@ -263,12 +260,12 @@ class GrpcClient:
             done = True
             items.put(("err", f"{type(exc).__name__}: {exc}"))
         finally:
-            await grpc_wire.finish(call, done)
+            await grpc_codec.finish(call, done)
 
     def stream(self, model: str, inputs: Mapping[str, np.ndarray],
                outputs: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
         items: queue.SimpleQueue = queue.SimpleQueue()
-        reader = LOOP.submit(self._read(grpc_wire.stream_request(model, inputs, outputs), items))
+        reader = LOOP.submit(self._read(grpc_codec.stream_request(model, inputs, outputs), items))
         try:
             while True:
                 try:

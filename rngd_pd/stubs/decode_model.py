@@ -58,7 +58,7 @@ class DecodeService:
         """local_prefill_tokens: the prompt length up to which pd should send prompts here to be
         prefilled locally (-1: measure it now, rngd_pd.engine.local_prefill; 0: never)."""
 
-        runtime = as_runtime(loaded)  # serving.load_for's DeviceRuntime, or a LoadedModel for the CPU
+        runtime = as_runtime(loaded)  # loading.load_for's DeviceRuntime, or a LoadedModel for the CPU
         loaded = runtime.loaded
         c = loaded.config
         self.loaded, self.transport = loaded, transport
@@ -83,8 +83,6 @@ class DecodeService:
         ContextLengthError / CapacityError / RequestCancelled before anything runs."""
         if token_ids is not None:
             if self.local is None:
-                from rngd_pd.wire import tensors as T
-
                 raise errors.ConfigError(f"this decode instance cannot prefill ({self.threshold.reason}); "
                                          f"send {T.PROMPT_LEN!r} and hand the KV off", key=key)
             self.local.validate(key, token_ids, params)

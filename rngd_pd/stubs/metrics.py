@@ -46,6 +46,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rngd_pd.config.env import RNGD_PD_ROLE
+from rngd_pd.stubs import pbutils
 from rngd_pd.wire.airm_metrics import (
     GAUGES,
     HISTOGRAMS,
@@ -97,8 +99,6 @@ class Load:
 
 def publishes_load(model: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether `model` publishes this server's load gauges (one model per server; module docstring)."""
-    from rngd_pd.config.env import RNGD_PD_ROLE
-
     return LOAD_PUBLISHER.get(RNGD_PD_ROLE.get(env)) == model
 
 
@@ -258,8 +258,6 @@ class TritonSink:
         key = (name, tuple(sorted(labels.items())))
         metric = self._metrics.get(key)
         if metric is None:
-            from rngd_pd.stubs import pbutils
-
             family = self._families.get(name)
             if family is None:
                 kind = "HISTOGRAM" if name in HISTOGRAMS else "COUNTER" if name in COUNTERS else "GAUGE"

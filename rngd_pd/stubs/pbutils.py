@@ -23,11 +23,6 @@ except ImportError:  # pragma: no cover - depends on the process we run in
     _pb = None
 
 
-def in_triton() -> bool:
-    """True inside a Triton Python-backend stub."""
-    return _pb is not None
-
-
 def pb() -> Any:
     """The `triton_python_backend_utils` module; RuntimeError outside Triton."""
     if _pb is None:
@@ -177,11 +172,6 @@ def send(sender: Any, response: Any | None = None, *, final: bool = False) -> No
 def send_error(sender: Any, exc: BaseException) -> None:
     """Fail a decoupled request: its one final response is the error."""
     sender.send(error_response(exc), flags=final_flag())
-
-
-def is_decoupled(model_config: Mapping[str, Any]) -> bool:
-    """Whether the model's config uses the decoupled transaction policy."""
-    return bool(pb().using_decoupled_model_transaction_policy(model_config))
 
 
 # ---------------------------------------------------------------- metrics and logging

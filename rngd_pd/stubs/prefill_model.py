@@ -28,7 +28,7 @@ class PrefillService:
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
                  max_len: int | None = None, prefix_cache_bytes: int = 0, prefix_block: int = 32) -> None:
-        """loaded: a DeviceRuntime (serving.load_for), or a LoadedModel to run on the CPU."""
+        """loaded: a DeviceRuntime (loading.load_for), or a LoadedModel to run on the CPU."""
         self.runtime = as_runtime(loaded)
         self.loaded, self.transport, self.kv_dtype = self.runtime.loaded, transport, kv_dtype
         self.engine = PrefillEngine(self.runtime, kv_dtype, chunk_size or None, max_context=max_len,

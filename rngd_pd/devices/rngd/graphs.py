@@ -48,19 +48,22 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
+from rngd_pd.devices.rngd.messages import pack_message, read_message
+from rngd_pd.devices.rngd.smi import memory
+from rngd_pd.devices.runtime import DEFAULT_SHAPES
 from rngd_pd.errors import RngdPdError
 from rngd_pd.host.children import killed_with_parent
-
-DEFAULT_CHUNKS = (128, 512)
-DEFAULT_DECODE = ((1, 512), (8, 2048))
-
+from rngd_pd.model import llama as L
+from rngd_pd.model import load_model
 
 PARTS = ("layer", "head")
 
@@ -91,7 +94,8 @@ class GraphSpec:
         return f"decode_head_b{self.b}" if self.part == "head" else f"decode_layer_b{self.b}_l{self.l}"
 
 
-def specs(chunks: tuple[int, ...] = DEFAULT_CHUNKS, decode: tuple[tuple[int, int], ...] = DEFAULT_DECODE,
+def specs(chunks: tuple[int, ...] = DEFAULT_SHAPES.prefill_chunks,
+          decode: tuple[tuple[int, int], ...] = DEFAULT_SHAPES.decode,
           past: tuple[int, ...] = ()) -> list[GraphSpec]:
     """Every graph these shapes need: per prefill chunk a layer, a head and a layer after each past
     bucket; a layer per decode (width, bucket) and a head per decode width."""
@@ -162,8 +166,6 @@ def build_wrapper(model: Any, spec: GraphSpec, kv_dtype: Any) -> tuple[Any, tupl
     (docs/devices-rngd.md)."""
     import torch
     from torch import nn
-
-    from rngd_pd.model import llama as L
 
     c = model.config
     names = [n for n, _ in model.layers[0].named_parameters()]
@@ -343,8 +345,6 @@ TOOLCHAIN_HINT = ("install an aarch64 cross compiler with its libc headers, e.g.
 def toolchain_missing(path: str | None = None) -> str | None:
     """Why the furiosa compiler cannot finish here (it runs `aarch64-linux-gnu-gcc -lpe ...` on C
     code that includes <assert.h>), or None. `path`: the PATH to look in (default: $PATH)."""
-    import subprocess
-
     cc = shutil.which(TOOLCHAIN, path=path)
     if cc is None:
         return f"{TOOLCHAIN} is not on PATH (the furiosa compiler fails with 'No such file or directory'); " \
@@ -363,8 +363,6 @@ def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
     """`make test`'s toolchain step: 0 when `aarch64-linux-gnu-gcc` and its libc headers work (after
     installing them with apt-get when `install`, missing and root), else 1 with the exact command
     to run. Never a silent skip: the message says what is missing and how to get it."""
-    import subprocess
-
     env = dict(os.environ if env is None else env)
     out = out or sys.stdout
     path = env.get("PATH", os.defpath)
@@ -395,8 +393,6 @@ def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
 
 
 def sdk_versions() -> dict[str, str]:
-    from importlib import metadata
-
     out = {}
     for dist in ("furiosa-torch", "torch"):
         try:
@@ -483,8 +479,6 @@ def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
         import furiosa.torch  # noqa: F401 - registers the device and its ops
         from furiosa.torch import compiler, config
         from furiosa.torch.export.exported_program import preprocess_exported_program
-
-        from rngd_pd.model import load_model
 
         row["stage"] = "load"
         loaded = load_model(None, dtype=torch_dtype(args.dtype), progress=False)
@@ -591,9 +585,6 @@ def _watch(proc: Any, timeout: float, max_rss_gb: float) -> tuple[int | None, st
 def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     """compile_one in a child process (a Rust panic or abort kills only the child); a child that
     runs past args.timeout is killed and reported with the compiler stage it had reached."""
-    import subprocess
-    import tempfile
-
     cmd = [sys.executable, "-m", "rngd_pd.devices.rngd.graphs", "--one", spec.name, *_child_args(args)]
     t0 = time.perf_counter()
     base = _row_base(spec, args)
@@ -739,10 +730,6 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
     import torch
     from furiosa.torch import CompileModule
 
-    from rngd_pd.devices.rngd.messages import pack_message, read_message
-    from rngd_pd.devices.rngd.smi import memory
-    from rngd_pd.model import load_model
-
     dev = torch.device(f"furiosa:{index}")
     loaded = load_model(source, dtype=torch_dtype(dtype), progress=False)
     worker = CardWorker(loaded.model, dev,
@@ -788,11 +775,11 @@ def main(argv: list[str] | None = None) -> int:
                                  description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--compile-only", action="store_true",
                     help="export and compile (the only mode: running needs a card)")
-    ap.add_argument("--chunks", type=parse_chunks, default=DEFAULT_CHUNKS,
+    ap.add_argument("--chunks", type=parse_chunks, default=DEFAULT_SHAPES.prefill_chunks,
                     help="prefill chunk lengths, e.g. 128,512")
     ap.add_argument("--past", type=parse_chunks, default=(),
                     help="past buckets a prefill chunk after earlier chunks attends over, e.g. 512,1024")
-    ap.add_argument("--decode", type=parse_decode, default=DEFAULT_DECODE,
+    ap.add_argument("--decode", type=parse_decode, default=DEFAULT_SHAPES.decode,
                     help="decode BxL shapes, e.g. 1x512,8x2048")
     ap.add_argument("--dtype", default="bf16", choices=COMPUTE_DTYPES, help="compute dtype of the weights")
     ap.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES)

@@ -37,16 +37,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rngd_pd.config.dtypes import lookup, short_dtype, torch_dtype
 from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.npu import RNGD, cards
 from rngd_pd.devices.rngd.env import MAKE_HINT, repo_root, require_rngd_python, rngd_env, rngd_python
 from rngd_pd.devices.rngd.messages import pack_message, read_message
-from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, past_buckets, plan_buckets
+from rngd_pd.devices.runtime import (
+    DEFAULT_SHAPES,
+    GraphShapes,
+    KVList,
+    MemoryInfo,
+    OnLayer,
+    past_buckets,
+    plan_buckets,
+)
 from rngd_pd.errors import ConfigError, RngdPdError
 from rngd_pd.host.children import killed_with_parent
 
-DEFAULT_SHAPES = GraphShapes(prefill_chunks=(128, 512), decode=((1, 512), (8, 2048)), dtype="bf16")
 DRIVER_LIB = "renegade"  # librenegade.so, the HAL library of the RNGD driver (the SDK panics without it)
 _GRAPHS = "rngd_pd.devices.rngd.graphs"
 
@@ -275,7 +284,6 @@ class RngdRuntime:
         return torch.inference_mode()
 
     def tokens(self, ids: Sequence[int] | Any) -> Any:
-        import numpy as np
         import torch
 
         return torch.as_tensor(np.asarray(ids, dtype=np.int64))
@@ -309,7 +317,6 @@ class RngdRuntime:
         return RngdCache(self.worker, self.loaded.config, num_slots, max_len, self.dtype(kv_dtype))
 
     def step_buffers(self, rows: int) -> tuple[Any, Any]:
-        import numpy as np
         import torch
 
         host = np.zeros((3, rows), dtype=np.int64)

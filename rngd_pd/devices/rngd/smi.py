@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 FIELDS: dict[str, Callable[[Any], Any]] = {
@@ -61,8 +62,6 @@ def describe(device: Any) -> dict[str, Any]:
 
 def snapshot() -> dict[str, Any]:
     """What furiosa-smi reports of this host's cards (never raises: failures are in the result)."""
-    from importlib import metadata
-
     out: dict[str, Any] = {"sdk": {}, "driver": None, "driver_error": "", "devices": [], "error": ""}
     try:
         out["sdk"]["furiosa-smi"] = metadata.version("furiosa-smi")

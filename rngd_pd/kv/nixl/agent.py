@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
@@ -336,8 +337,6 @@ def bare_read_gbps(nbytes: int, blob_size: int, in_flight: int = 1, env: Mapping
 
 def describe() -> dict[str, Any]:
     """What NIXL/UCX would use on this host: versions, plugins, UCX settings, backend parameters."""
-    from importlib.metadata import PackageNotFoundError, version
-
     info: dict[str, Any] = {}
     for pkg in ("nixl", "nixl-cu12", "nixl-cu13"):
         try:

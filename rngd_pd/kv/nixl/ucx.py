@@ -40,12 +40,13 @@ import numpy as np
 from rngd_pd.config.env import AIRM_KV_TCP_ADDR
 from rngd_pd.errors import TransportError, TransportIntegrityError
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes, checksum
-from rngd_pd.kv.nixl import endpoint as ucx_endpoint
+from rngd_pd.kv.nixl import endpoint
 from rngd_pd.kv.nixl.agent import apply_ucx_env, progress_delay_us, wait_xfer
 from rngd_pd.kv.nixl.endpoint import FREE_PREFIX
 from rngd_pd.kv.nixl.publish import Publisher
 from rngd_pd.kv.options import UcxOptions, at_least, crc_algorithm, options
 from rngd_pd.kv.protocol import Closing, ConformanceCase
+from rngd_pd.kv.relay.proc import start_relay
 from rngd_pd.kv.relay.tcp import RelayClient
 
 log = logging.getLogger("rngd_pd.kv.nixl.ucx")
@@ -100,7 +101,7 @@ class NixlUcxTransport(Closing):
         # the relay connection keeps its own settings (AIRM_KV_TCP_LOG, ...); only where it is comes from ours
         self.relay = RelayClient(addr or o.addr, secret if secret is not None else o.secret)
         apply_ucx_env(ucx_env)  # effective only if this process has no agent yet
-        self.ep = ucx_endpoint.endpoint(o.pool_mb << 20)
+        self.ep = endpoint.endpoint(o.pool_mb << 20)
         self.publisher = Publisher(self.relay, self.ep.free_token)
         self._ahead: dict[tuple[str, int], _Read] = {}
         self._ahead_lock = threading.Lock()
@@ -312,20 +313,18 @@ class NixlUcxTransport(Closing):
 
         A blob counts as stored while its slot is held in this process or its descriptor is in a relay.
         """
-        from rngd_pd.kv.relay.proc import start_relay
-
         with contextlib.ExitStack() as stack:
             relay = stack.enter_context(start_relay())
             ttl_relay = stack.enter_context(start_relay("127.0.0.1", 0, "--ttl-s", "0.5"))
             probes = [stack.enter_context(RelayClient(r.addr)) for r in (relay, ttl_relay)]
 
             def stored_blobs(key: str) -> int:
-                ep = ucx_endpoint.current()
+                ep = endpoint.current()
                 slots = ep.held(key)[0] if ep else 0
                 return max(slots, sum(p.stat(key)["key_blobs"] for p in probes))
 
             def stored_bytes() -> int:
-                ep = ucx_endpoint.current()
+                ep = endpoint.current()
                 return ep.held()[1] if ep else 0
 
             yield ConformanceCase(

@@ -40,7 +40,7 @@ ALG_IDS = {None: 0, "crc32": 1, "crc32c": 2}
 ALG_NAMES = {v: k for k, v in ALG_IDS.items()}
 
 NONCE_BYTES = 32
-MAX_KEY_BYTES = 1024
+MAX_KEY_BYTES = 512  # a request key longer than this is refused by the relay and its client
 
 
 @dataclass

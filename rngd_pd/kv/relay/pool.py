@@ -11,7 +11,7 @@ import socket
 import threading
 
 from rngd_pd.errors import TransportError
-from rngd_pd.kv.relay import frames as wire
+from rngd_pd.kv.relay import frames
 
 
 class Pool:
@@ -45,11 +45,11 @@ class Pool:
         except OSError as e:
             raise TransportError(f"cannot reach the KV relay at {self.addr[0]}:{self.addr[1]} ({e}); "
                                  "is `rngd-pd kv-relay` running there?") from None
-        wire.tune_socket(sock)
-        wire.set_io_timeout(sock, self.io_timeout)
+        frames.tune_socket(sock)
+        frames.set_io_timeout(sock, self.io_timeout)
         try:
             self._handshake(sock)
-        except (OSError, wire.WireError) as e:
+        except (OSError, frames.WireError) as e:
             sock.close()
             where = f"{self.addr[0]}:{self.addr[1]}"
             raise TransportError(f"KV relay handshake with {where} failed ({e})") from None
@@ -59,20 +59,20 @@ class Pool:
         return sock
 
     def _handshake(self, sock: socket.socket) -> None:
-        hdr = bytearray(wire.HEADER.size)
-        wire.recv_exact(sock, memoryview(hdr))
-        f = wire.unpack(hdr)
+        hdr = bytearray(frames.HEADER.size)
+        frames.recv_exact(sock, memoryview(hdr))
+        f = frames.unpack(hdr)
         nonce = bytearray(f.size)
-        wire.recv_exact(sock, memoryview(nonce))
-        if not f.flags & wire.FLAG_AUTH_REQUIRED:
+        frames.recv_exact(sock, memoryview(nonce))
+        if not f.flags & frames.FLAG_AUTH_REQUIRED:
             return
         if not self.secret:
             raise TransportError("the KV relay requires a shared secret: "
                                  "set AIRM_KV_TCP_SECRET or pass secret=")
-        digest = wire.auth_digest(self.secret, bytes(nonce))
-        wire.send_all(sock, [wire.Frame(wire.OP_AUTH, size=len(digest)).pack(), digest])
-        wire.recv_exact(sock, memoryview(hdr))
-        if wire.unpack(hdr).op != wire.ST_OK:
+        digest = frames.auth_digest(self.secret, bytes(nonce))
+        frames.send_all(sock, [frames.Frame(frames.OP_AUTH, size=len(digest)).pack(), digest])
+        frames.recv_exact(sock, memoryview(hdr))
+        if frames.unpack(hdr).op != frames.ST_OK:
             raise TransportError("the KV relay refused our secret "
                                  "(AIRM_KV_TCP_SECRET differs from the relay's)")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import selectors
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -46,7 +47,6 @@ def start_relay(host: str = "127.0.0.1", port: int = 0, *extra: str, env: dict |
            *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
-    import selectors
 
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

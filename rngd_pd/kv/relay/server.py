@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from rngd_pd.config.env import AIRM_KV_TCP_LOG, AIRM_KV_TCP_SECRET, AIRM_KV_TCP_TTL_S
 from rngd_pd.kv.buffers import make_room
-from rngd_pd.kv.relay import frames as wire
+from rngd_pd.kv.relay import frames
 
 log = logging.getLogger("rngd_pd.kv.relay.server")
 IO_TIMEOUT_S = 60.0  # a client that stalls mid-payload is dropped after this
@@ -40,7 +40,7 @@ class RelayConfig:
     max_bytes: int = 4 << 30
     ttl_s: float = AIRM_KV_TCP_TTL_S.default
     max_blob_bytes: int = 1 << 30
-    max_key_bytes: int = 512
+    max_key_bytes: int = frames.MAX_KEY_BYTES
     pool_bytes: int = 512 << 20  # idle buffers kept for reuse (already faulted in)
     secret: bytes | None = None
     log_blobs: bool = False
@@ -179,51 +179,51 @@ class Connection:
         self.store = server.store
         self.cfg = server.cfg
         self.sock = sock
-        self.hdr = memoryview(bytearray(wire.HEADER.size))
+        self.hdr = memoryview(bytearray(frames.HEADER.size))
 
     def recv_bytes(self, n: int) -> bytes:
         buf = bytearray(n)
-        wire.recv_exact(self.sock, memoryview(buf))
+        frames.recv_exact(self.sock, memoryview(buf))
         return bytes(buf)
 
     def reply(self, status: int, msg: str = "", *, size: int = 0, crc: int = 0, alg: int = 0,
               flags: int = 0, payload: memoryview | bytes | None = None) -> None:
         text = msg.encode()[:60000]
-        head = wire.Frame(status, alg, flags, len(text), 0, size, crc).pack()
-        wire.send_all(self.sock, [head, text] + ([payload] if payload is not None else []))
+        head = frames.Frame(status, alg, flags, len(text), 0, size, crc).pack()
+        frames.send_all(self.sock, [head, text] + ([payload] if payload is not None else []))
 
     def handshake(self) -> None:
-        nonce = secrets.token_bytes(wire.NONCE_BYTES)
-        flags = wire.FLAG_AUTH_REQUIRED if self.cfg.secret else 0
-        self.reply(wire.ST_OK, size=len(nonce), flags=flags, payload=nonce)
+        nonce = secrets.token_bytes(frames.NONCE_BYTES)
+        flags = frames.FLAG_AUTH_REQUIRED if self.cfg.secret else 0
+        self.reply(frames.ST_OK, size=len(nonce), flags=flags, payload=nonce)
         if not self.cfg.secret:
             return
-        wire.recv_exact(self.sock, self.hdr)
-        f = wire.unpack(self.hdr)
-        answer = self.recv_bytes(min(f.size, 64)) if f.op == wire.OP_AUTH else b""
-        if not hmac.compare_digest(answer, wire.auth_digest(self.cfg.secret, nonce)):
-            self.reply(wire.ST_AUTH, "relay secret does not match (AIRM_KV_TCP_SECRET)")
+        frames.recv_exact(self.sock, self.hdr)
+        f = frames.unpack(self.hdr)
+        answer = self.recv_bytes(min(f.size, 64)) if f.op == frames.OP_AUTH else b""
+        if not hmac.compare_digest(answer, frames.auth_digest(self.cfg.secret, nonce)):
+            self.reply(frames.ST_AUTH, "relay secret does not match (AIRM_KV_TCP_SECRET)")
             raise ConnectionError("client failed the HMAC challenge")
-        self.reply(wire.ST_OK)
+        self.reply(frames.ST_OK)
 
     def serve(self) -> None:
         self.handshake()
-        handlers = {wire.OP_PUT: self.put, wire.OP_GET: self.get, wire.OP_DEL: self.delete,
-                    wire.OP_STAT: self.stat}
+        handlers = {frames.OP_PUT: self.put, frames.OP_GET: self.get, frames.OP_DEL: self.delete,
+                    frames.OP_STAT: self.stat}
         while True:
             try:
-                wire.recv_exact(self.sock, self.hdr)
+                frames.recv_exact(self.sock, self.hdr)
             except TimeoutError:
                 continue  # an idle pooled connection: keep it
-            f = wire.unpack(self.hdr)
+            f = frames.unpack(self.hdr)
             if f.klen > self.cfg.max_key_bytes:
-                self.reply(wire.ST_BAD, f"key of {f.klen} bytes exceeds the relay's limit of "
+                self.reply(frames.ST_BAD, f"key of {f.klen} bytes exceeds the relay's limit of "
                                         f"{self.cfg.max_key_bytes}")
                 raise ConnectionError("key too long")  # cannot resynchronise cheaply: drop the link
             key = self.recv_bytes(f.klen).decode("utf-8", "replace")
             handler = handlers.get(f.op)
             if handler is None:
-                self.reply(wire.ST_BAD, f"unknown op {f.op}")
+                self.reply(frames.ST_BAD, f"unknown op {f.op}")
                 raise ConnectionError("unknown op")
             handler(f, key)
 
@@ -231,54 +231,54 @@ class Connection:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
         while n > 0:
             k = min(n, len(scratch))
-            wire.recv_exact(self.sock, scratch[:k])
+            frames.recv_exact(self.sock, scratch[:k])
             n -= k
 
-    def put(self, f: wire.Frame, key: str) -> None:
+    def put(self, f: frames.Frame, key: str) -> None:
         if f.size > self.cfg.max_blob_bytes:
             self.discard(f.size)
-            return self.reply(wire.ST_TOO_LARGE, f"blob of {f.size} bytes exceeds the relay's limit of "
+            return self.reply(frames.ST_TOO_LARGE, f"blob of {f.size} bytes exceeds the relay's limit of "
                                                  f"{self.cfg.max_blob_bytes} (--max-blob-mb)")
         buf = self.store.reserve(f.size)
         if buf is None:
             self.discard(f.size)
-            return self.reply(wire.ST_CAPACITY, f"relay memory cap reached ({self.store.used} of "
+            return self.reply(frames.ST_CAPACITY, f"relay memory cap reached ({self.store.used} of "
                                                 f"{self.cfg.max_bytes} bytes in use); release keys "
                                                 "or raise --max-mb")
         try:
-            wire.recv_exact(self.sock, memoryview(buf))  # one MSG_WAITALL recv, straight into place
+            frames.recv_exact(self.sock, memoryview(buf))  # one MSG_WAITALL recv, straight into place
         except BaseException:
             self.store.unreserve(buf)
             raise
-        if f.alg and wire.blob_crc(f.alg, memoryview(buf)) != f.crc:
+        if f.alg and frames.blob_crc(f.alg, memoryview(buf)) != f.crc:
             self.store.unreserve(buf)
-            return self.reply(wire.ST_INTEGRITY, f"checksum mismatch on blob {f.index} of {key} "
+            return self.reply(frames.ST_INTEGRITY, f"checksum mismatch on blob {f.index} of {key} "
                                                  "as received by the relay")
         if self.cfg.log_blobs:
             log.info("put %s[%d] %d bytes sha256=%s", key, f.index, f.size, hashlib.sha256(buf).hexdigest())
         self.store.put(key, f.index, Blob(buf, f.size, f.crc, f.alg))
-        self.reply(wire.ST_OK)
+        self.reply(frames.ST_OK)
 
-    def get(self, f: wire.Frame, key: str) -> None:
+    def get(self, f: frames.Frame, key: str) -> None:
         blob = self.store.acquire(key, f.index, f.timeout_ms / 1000.0)
         if blob is None:
-            return self.reply(wire.ST_TIMEOUT, f"blob {f.index} of {key} did not arrive within "
+            return self.reply(frames.ST_TIMEOUT, f"blob {f.index} of {key} did not arrive within "
                                                f"{f.timeout_ms} ms")
         try:
             if blob.size > f.size:
-                return self.reply(wire.ST_TOO_LARGE, f"blob {f.index} of {key} has {blob.size} bytes, "
+                return self.reply(frames.ST_TOO_LARGE, f"blob {f.index} of {key} has {blob.size} bytes, "
                                                      f"the output buffer only {f.size}", size=blob.size)
-            self.reply(wire.ST_OK, size=blob.size, crc=blob.crc, alg=blob.alg,
+            self.reply(frames.ST_OK, size=blob.size, crc=blob.crc, alg=blob.alg,
                        payload=memoryview(blob.buf)[: blob.size])
         finally:
             self.store.unpin(blob)
 
-    def delete(self, f: wire.Frame, key: str) -> None:
-        self.reply(wire.ST_OK, size=0, crc=self.store.delete(key))
+    def delete(self, f: frames.Frame, key: str) -> None:
+        self.reply(frames.ST_OK, size=0, crc=self.store.delete(key))
 
-    def stat(self, f: wire.Frame, key: str) -> None:
+    def stat(self, f: frames.Frame, key: str) -> None:
         body = json.dumps(self.store.stat(key if f.flags else None)).encode()
-        self.reply(wire.ST_OK, size=len(body), payload=body)
+        self.reply(frames.ST_OK, size=len(body), payload=body)
 
 
 class RelayServer:
@@ -301,8 +301,8 @@ class RelayServer:
                 continue
             except OSError:
                 break
-            wire.tune_socket(conn)
-            wire.set_io_timeout(conn, IO_TIMEOUT_S)
+            frames.tune_socket(conn)
+            frames.set_io_timeout(conn, IO_TIMEOUT_S)
             threading.Thread(target=self._run, args=(conn,), name="kv-relay-conn", daemon=True).start()
         self.sock.close()
 
@@ -312,7 +312,7 @@ class RelayServer:
     def _run(self, conn: socket.socket) -> None:
         try:
             Connection(self, conn).serve()
-        except (ConnectionError, wire.WireError, OSError) as e:
+        except (ConnectionError, frames.WireError, OSError) as e:
             log.debug("connection closed: %s", e)
         finally:
             conn.close()

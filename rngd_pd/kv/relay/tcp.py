@@ -33,8 +33,9 @@ from rngd_pd.errors import (
 from rngd_pd.kv.buffers import as_bytes, as_writable_bytes
 from rngd_pd.kv.options import RelayOptions, crc_algorithm, options
 from rngd_pd.kv.protocol import Closing, ConformanceCase
-from rngd_pd.kv.relay import frames as wire
+from rngd_pd.kv.relay import frames
 from rngd_pd.kv.relay.pool import Pool, shared_pool, unshare_pool
+from rngd_pd.kv.relay.proc import start_relay
 
 log = logging.getLogger("rngd_pd.kv.relay.tcp")
 IO_TIMEOUT_S = 60.0  # a relay that stops answering mid-transfer becomes an error, not a hang
@@ -42,9 +43,9 @@ AHEAD_WAIT_S = 2.0  # how long the relay holds a read-ahead GET before answering
 PUSH_WINDOW = 8  # PUTs of one key sent before their answers are waited for (pipelined push)
 PUSH_KEYS = 64  # keys with answers still due kept per client; beyond it the oldest is flushed
 _ERRORS = {
-    wire.ST_TIMEOUT: TransportTimeoutError,
-    wire.ST_INTEGRITY: TransportIntegrityError,
-    wire.ST_CAPACITY: TransportCapacityError,
+    frames.ST_TIMEOUT: TransportTimeoutError,
+    frames.ST_INTEGRITY: TransportIntegrityError,
+    frames.ST_CAPACITY: TransportCapacityError,
 }
 
 
@@ -61,8 +62,8 @@ def parse_addr(addr: str | tuple[str, int] | None) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _get_frame(index: int, size: int, timeout: float) -> wire.Frame:
-    return wire.Frame(wire.OP_GET, index=index, size=size, timeout_ms=max(0, int(timeout * 1000)))
+def _get_frame(index: int, size: int, timeout: float) -> frames.Frame:
+    return frames.Frame(frames.OP_GET, index=index, size=size, timeout_ms=max(0, int(timeout * 1000)))
 
 
 def _log_blob(what: str, key: str, index: int, data: Any) -> None:
@@ -76,14 +77,14 @@ class RelayClient(Closing):
 
     def __init__(self, addr: str | tuple[str, int] | None = None, secret: str | bytes | None = None, *,
                  crc: str | bool | None = True, log_blobs: bool | None = None,
-                 max_key_bytes: int = 512,
+                 max_key_bytes: int = frames.MAX_KEY_BYTES,
                  config: RelayOptions | Mapping[str, str] | str | None = None) -> None:
         o = config if isinstance(config, RelayOptions) else options(RelayOptions, "tcp", config)
         self.addr = parse_addr(addr or o.addr)
         secret = secret if secret is not None else o.secret or None
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.crc = crc_algorithm(o.crc) if crc is True else crc_algorithm(crc)
-        self.alg = wire.ALG_IDS[self.crc]
+        self.alg = frames.ALG_IDS[self.crc]
         self.log_blobs = o.log_blobs if log_blobs is None else log_blobs
         self.max_key_bytes = max_key_bytes
         self._pool: Pool | None = shared_pool(self.addr, self.secret, IO_TIMEOUT_S)
@@ -108,53 +109,54 @@ class RelayClient(Closing):
         kind = TransportTimeoutError if isinstance(e, TimeoutError) else TransportError
         return kind(f"KV relay {self.addr[0]}:{self.addr[1]} failed during a transfer ({e})", key=key)
 
-    def _send(self, sock: socket.socket, key: str, frame: wire.Frame, payload: Any = None) -> None:
+    def _send(self, sock: socket.socket, key: str, frame: frames.Frame, payload: Any = None) -> None:
         kb = self._key(key)
         frame.klen = len(kb)
         try:
-            wire.send_all(sock, [frame.pack(), kb] + ([payload] if payload is not None else []))
-        except (OSError, wire.WireError) as e:
+            frames.send_all(sock, [frame.pack(), kb] + ([payload] if payload is not None else []))
+        except (OSError, frames.WireError) as e:
             raise self._failed(sock, key, e) from None
 
     def _receive(self, sock: socket.socket, key: str, out: memoryview | None
-                 ) -> tuple[wire.Frame, bytes, memoryview | bytes]:
+                 ) -> tuple[frames.Frame, bytes, memoryview | bytes]:
         """Read one response; an OK payload lands in `out` (or new bytes). The link stays in sync."""
         try:
-            hdr = bytearray(wire.HEADER.size)
-            wire.recv_exact(sock, memoryview(hdr))
-            resp = wire.unpack(hdr)
+            hdr = bytearray(frames.HEADER.size)
+            frames.recv_exact(sock, memoryview(hdr))
+            resp = frames.unpack(hdr)
             msg = bytearray(resp.klen)
-            wire.recv_exact(sock, memoryview(msg))
+            frames.recv_exact(sock, memoryview(msg))
             body: memoryview | bytes = b""
-            if resp.op == wire.ST_OK and resp.size:
+            if resp.op == frames.ST_OK and resp.size:
                 if out is not None and resp.size > len(out):  # a read-ahead sized for another buffer
-                    wire.recv_exact(sock, memoryview(bytearray(resp.size)))
-                    return wire.Frame(wire.ST_TOO_LARGE, size=resp.size), b"blob larger than the output", b""
+                    frames.recv_exact(sock, memoryview(bytearray(resp.size)))
+                    too_large = frames.Frame(frames.ST_TOO_LARGE, size=resp.size)
+                    return too_large, b"blob larger than the output", b""
                 body = out[: resp.size] if out is not None else memoryview(bytearray(resp.size))
-                wire.recv_exact(sock, body)
-        except (OSError, wire.WireError) as e:
+                frames.recv_exact(sock, body)
+        except (OSError, frames.WireError) as e:
             raise self._failed(sock, key, e) from None
         return resp, bytes(msg), body
 
-    def _check(self, resp: wire.Frame, msg: bytes, op: int, key: str) -> None:
-        if resp.op == wire.ST_OK:
+    def _check(self, resp: frames.Frame, msg: bytes, op: int, key: str) -> None:
+        if resp.op == frames.ST_OK:
             return
-        text = msg.decode("utf-8", "replace") or wire.STATUS_NAMES.get(resp.op, str(resp.op))
+        text = msg.decode("utf-8", "replace") or frames.STATUS_NAMES.get(resp.op, str(resp.op))
         kind = _ERRORS.get(resp.op, TransportError)
-        if resp.op == wire.ST_TOO_LARGE:  # our buffer is too small (GET) or the relay's limit (PUT)
-            kind = TransportIntegrityError if op == wire.OP_GET else TransportCapacityError
+        if resp.op == frames.ST_TOO_LARGE:  # our buffer is too small (GET) or the relay's limit (PUT)
+            kind = TransportIntegrityError if op == frames.OP_GET else TransportCapacityError
         raise kind(f"KV relay: {text}", key=key)
 
-    def _call(self, key: str, frame: wire.Frame, payload: Any = None, out: memoryview | None = None,
-              wait_s: float = 0.0) -> tuple[wire.Frame, memoryview | bytes]:
+    def _call(self, key: str, frame: frames.Frame, payload: Any = None, out: memoryview | None = None,
+              wait_s: float = 0.0) -> tuple[frames.Frame, memoryview | bytes]:
         """One request/response on a pooled connection; payload lands in `out` (or new bytes)."""
         sock = self._acquire()
         if wait_s:
-            wire.set_io_timeout(sock, IO_TIMEOUT_S + wait_s)
+            frames.set_io_timeout(sock, IO_TIMEOUT_S + wait_s)
         self._send(sock, key, frame, payload)
         resp, msg, body = self._receive(sock, key, out)
         if wait_s:
-            wire.set_io_timeout(sock, IO_TIMEOUT_S)
+            frames.set_io_timeout(sock, IO_TIMEOUT_S)
         self._pool.give_back(sock)
         self._check(resp, msg, frame.op, key)
         return resp, body
@@ -166,10 +168,10 @@ class RelayClient(Closing):
         PUSH_WINDOW answers are due at once, so sending blob i+1 overlaps the relay checking blob i.
         """
         view = as_bytes(data)
-        crc = wire.blob_crc(self.alg, view)
+        crc = frames.blob_crc(self.alg, view)
         if self.log_blobs:
             _log_blob("push", key, index, view)
-        frame = wire.Frame(wire.OP_PUT, self.alg, index=index, size=len(view), crc=crc)
+        frame = frames.Frame(frames.OP_PUT, self.alg, index=index, size=len(view), crc=crc)
         if wait:
             self._call(key, frame, view)
             return
@@ -205,7 +207,7 @@ class RelayClient(Closing):
         while state[1] and (state[1] > keep or select.select([sock], [], [], 0)[0]):
             resp, msg, _ = self._receive(sock, key, None)  # closes the connection on I/O errors
             state[1] -= 1
-            self._check(resp, msg, wire.OP_PUT, key)
+            self._check(resp, msg, frames.OP_PUT, key)
 
     def _drain(self, state: list, key: str) -> None:
         try:
@@ -238,18 +240,18 @@ class RelayClient(Closing):
         if got is None:
             timeout = max(0.0, deadline - time.monotonic())  # what a consumed read-ahead left
             sock = self._acquire()
-            wire.set_io_timeout(sock, IO_TIMEOUT_S + timeout)
+            frames.set_io_timeout(sock, IO_TIMEOUT_S + timeout)
             self._send(sock, key, _get_frame(index, len(view), timeout), None)
             got = (sock, *self._receive(sock, key, view))
         sock, resp, msg, body = got
-        wire.set_io_timeout(sock, IO_TIMEOUT_S)
-        if read_ahead and resp.op == wire.ST_OK:
+        frames.set_io_timeout(sock, IO_TIMEOUT_S)
+        if read_ahead and resp.op == frames.ST_OK:
             self._send(sock, key, _get_frame(index + 1, len(view), AHEAD_WAIT_S), None)
             self._park_ahead(key, sock, index + 1)
         else:
             self._pool.give_back(sock)
-        self._check(resp, msg, wire.OP_GET, key)
-        if self.alg and resp.alg and wire.blob_crc(resp.alg, body) != resp.crc:
+        self._check(resp, msg, frames.OP_GET, key)
+        if self.alg and resp.alg and frames.blob_crc(resp.alg, body) != resp.crc:
             raise TransportIntegrityError(f"checksum mismatch on blob {index} as received from the relay",
                                           key=key)
         if self.log_blobs:
@@ -270,7 +272,7 @@ class RelayClient(Closing):
             self._park_ahead(key, sock, index)  # still in sync, still waiting: keep it for the retry
             raise TransportTimeoutError(f"blob {index} did not arrive within {timeout:g} s", key=key)
         resp, msg, body = self._receive(sock, key, view)
-        if resp.op in (wire.ST_TIMEOUT, wire.ST_TOO_LARGE):  # its own short wait ran out, or sized
+        if resp.op in (frames.ST_TIMEOUT, frames.ST_TOO_LARGE):  # its own short wait ran out, or sized
             self._pool.give_back(sock)  # for another buffer: ask again with this call's terms
             return None
         return sock, resp, msg, body
@@ -298,12 +300,12 @@ class RelayClient(Closing):
 
     def delete(self, key: str) -> int:
         """Drop every blob of `key`; returns how many there were."""
-        resp, _ = self._call(key, wire.Frame(wire.OP_DEL))
+        resp, _ = self._call(key, frames.Frame(frames.OP_DEL))
         return resp.crc
 
     def stat(self, key: str | None = None) -> dict:
         """The relay's counters: keys, blobs, used_bytes, pool_bytes, max_bytes (+ key_blobs)."""
-        frame = wire.Frame(wire.OP_STAT, flags=1 if key is not None else 0)
+        frame = frames.Frame(frames.OP_STAT, flags=1 if key is not None else 0)
         _, body = self._call(key or "-", frame)
         return json.loads(bytes(body))
 
@@ -355,8 +357,6 @@ class TcpTransport(Closing):
     def conformance_case(cls) -> Iterator[ConformanceCase]:
         """The relay at $AIRM_KV_TCP_ADDR, or one started on a free loopback port (plus one with a
         short TTL for the expiry case) and stopped afterwards."""
-        from rngd_pd.kv.relay.proc import start_relay
-
         with contextlib.ExitStack() as stack:
             addr = AIRM_KV_TCP_ADDR.get()
             ttl_opts = None
@@ -380,8 +380,8 @@ class TcpTransport(Closing):
 def _corrupt_in_transit(t: TcpTransport, key: str, index: int, data: bytes) -> None:
     """Send `data` with one byte flipped after its checksum was taken (the relay must refuse it)."""
     c = t.client
-    frame = wire.Frame(wire.OP_PUT, c.alg or wire.ALG_IDS["crc32c"], index=index, size=len(data),
-                       crc=wire.blob_crc(c.alg or wire.ALG_IDS["crc32c"], memoryview(data)))
+    frame = frames.Frame(frames.OP_PUT, c.alg or frames.ALG_IDS["crc32c"], index=index, size=len(data),
+                       crc=frames.blob_crc(c.alg or frames.ALG_IDS["crc32c"], memoryview(data)))
     bad = bytearray(data)
     bad[0] ^= 0xFF
     c._call(key, frame, memoryview(bad))

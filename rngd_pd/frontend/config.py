@@ -28,7 +28,7 @@ class FrontendConfig:
     triton_model: str = "pd"
     max_model_len: int | None = None
     log_level: str = "warning"
-    server_status: str | None = None  # serve's status file (rngd_pd.serve.supervisor): 503 unless ready
+    server_status: str | None = None  # serve's status file (rngd_pd.wire.status): 503 unless ready
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting."""

@@ -280,7 +280,7 @@ class Llama(nn.Module):
         kv_dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder layer of prefill, x [T, D] -> (x, K, V): a function of the layer's weights, so
-        an NPU compiles it once and calls it for every layer with that layer's weights (rngd_graphs)."""
+        an NPU compiles it once and calls it for every layer with that layer's weights (rngd.graphs)."""
         c, t = self.config, int(x.shape[0])
         q, k, v = layer.qkv(x)
         q = apply_rope(q.view(t, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)  # [H, T, hd]

@@ -14,7 +14,7 @@ compiler runs to the end once an aarch64 cross compiler is installed (it builds 
 `aarch64-linux-gnu-gcc`; without it every compile fails with "No such file or directory (os error 2)").
 
 What is NOT verified (no card, no driver here): furiosa's side of the card. `RngdRuntime` drives
-a `.venv-rngd` worker (`rngd_graphs --serve`, a `CardWorker`) that loads the compiled graphs onto
+a `.venv-rngd` worker (`rngd.graphs --serve`, a `CardWorker`) that loads the compiled graphs onto
 `furiosa:N` (`CompileModule.from_exported(...).to(device)`, then calls them), written against
 furiosa-torch 2026.4's installed sources, never run on a card. The rest of that path (this runtime,
 the messages, the worker's padding, chunk and past buckets, layer-by-layer chains and cache) runs
@@ -64,7 +64,7 @@ _GRAPHS = "rngd_pd.devices.rngd.graphs"
 
 
 def graph_args(shapes: GraphShapes) -> list[str]:
-    """rngd_graphs command-line arguments for these shapes."""
+    """rngd.graphs command-line arguments for these shapes."""
     args = ["--chunks", ",".join(str(t) for t in shapes.prefill_chunks),
             "--past", ",".join(str(n) for n in shapes.prefill_past),
             "--decode", ",".join(f"{b}x{n}" for b, n in shapes.decode),
@@ -96,7 +96,7 @@ def configured_shapes(root: Path | None = None) -> GraphShapes:
 
 
 def parse_rows(text: str) -> list[dict[str, Any]]:
-    """The JSON lines of rngd_graphs' output (other lines, e.g. SDK log lines, are skipped)."""
+    """The JSON lines of rngd.graphs' output (other lines, e.g. SDK log lines, are skipped)."""
     rows = []
     for line in text.splitlines():
         line = line.strip()
@@ -124,7 +124,7 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                   max_unique_shapes: int | None = None,
                   env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Export each graph `shapes` need (DEFAULT_SHAPES when None; a layer and a head graph per
-    shape, rngd_graphs) and take it through the furiosa compiler in `.venv-rngd` up to `stage`:
+    shape, rngd.graphs) and take it through the furiosa compiler in `.venv-rngd` up to `stage`:
     "import" (furiosa's decompositions and the DFG import, where unsupported ops are refused:
     seconds a graph), "lower" or "compile" (the whole compiler down to the binary: minutes a graph
     on a 2-core host, seconds from the furiosa cache). `max_unique_shapes` bounds the compiler's
@@ -141,7 +141,7 @@ def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                        timeout, env)
     rows = parse_rows(proc.stdout)
     if not rows and (shapes.prefill_chunks or shapes.decode):
-        raise RngdPdError(f"rngd_graphs printed no results (exit status {proc.returncode}): "
+        raise RngdPdError(f"rngd.graphs printed no results (exit status {proc.returncode}): "
                           f"{proc.stderr[-2000:].strip()}")
     return rows
 
@@ -189,7 +189,7 @@ def check_card(device: Device, env: Mapping[str, str] | None = None) -> None:
 
 
 class _Worker:
-    """The `.venv-rngd` process that owns the card (rngd_graphs --serve). Not verified: no card."""
+    """The `.venv-rngd` process that owns the card (rngd.graphs --serve). Not verified: no card."""
 
     def __init__(self, python: Path, device: Device, source: str, dtype: str) -> None:
         cmd = [str(python), "-m", _GRAPHS, "--serve", "--device-index", str(device.index),
@@ -253,7 +253,7 @@ class RngdRuntime:
     @classmethod
     def over(cls, worker: Any, device: Device, loaded: Any) -> RngdRuntime:
         """A runtime over a worker already running: anything with `_Worker.call`'s signature (the
-        tests drive an in-process `rngd_graphs.CardWorker` on CPU graphs this way)."""
+        tests drive an in-process `rngd.graphs.CardWorker` on CPU graphs this way)."""
         self = cls.__new__(cls)
         self._attach(device, loaded, worker)
         return self

@@ -2,7 +2,7 @@
 
 Runs INSIDE `.venv-rngd` (furiosa-smi 2026.4.0 is installed there by `make rngd-env`, beside
 furiosa-torch); the serving environment reaches it through `rngd_pd.devices.rngd.runtime.smi_snapshot`, a
-subprocess, and the card worker (`rngd_graphs --serve`) calls `memory` in-process:
+subprocess, and the card worker (`rngd.graphs --serve`) calls `memory` in-process:
 
     .venv-rngd/bin/python -m rngd_pd.devices.rngd.smi      # one JSON object
 

@@ -43,7 +43,7 @@ $(RNGD_STAMP): pyproject.toml Makefile rngd_pd/devices/rngd/setup.py | setup
 	@echo '#include <assert.h>' | aarch64-linux-gnu-gcc -xc -E -o /dev/null - 2>/dev/null || \
 	  echo "rngd-env: NOTE the furiosa compiler builds C code with aarch64-linux-gnu-gcc; without it (and its libc headers) every compile fails with 'No such file or directory (os error 2)': make rngd-toolchain"
 
-# make test without room for .venv-rngd goes on (rngd_setup exits 3 and leaves $(RNGD_VENV).no-room,
+# make test without room for .venv-rngd goes on (rngd_pd/devices/rngd/setup.py exits 3 and leaves $(RNGD_VENV).no-room,
 # which the RNGD compile test reports as its skip reason); any other failure stops it.
 rngd-env-for-test: setup
 	@$(MAKE) --no-print-directory rngd-env || { test -f $(RNGD_VENV).no-room && \

@@ -9,10 +9,11 @@ non-blocking, idle threads left out) for `--seconds`. Each sample's stack is put
 whose frames it contains, innermost first:
 
 * model compute: `rngd_pd/model/` (prefill, decode_step, the KV cache copies)
-* kv transport: `rngd_pd/kv/` and kv_io (push, pull, checksums)
-* responses: the sender thread, response building (`triton/sending.py`, `pbutils.py`, the pb_utils C module)
+* kv transport: `rngd_pd/kv/` (push, pull, checksums, the hand-off)
+* responses: the sender thread, response building (`stubs/sending.py`, `pbutils.py`, the pb_utils C module)
 * engine host work: the decode scheduler, sampling, detokenizing (`rngd_pd/engine/`, `model/sampling`)
-* orchestration: pd's BLS calls, request parsing (`triton/orchestrator.py`, `clients.py`, `inputs.py`)
+* orchestration: pd's BLS calls, request parsing (`engine/orchestrator.py`, `stubs/clients.py`,
+  `wire/inputs.py`)
 * other
 
 and a sample whose innermost frame only waits (a condition, a queue, a sleep, a socket) is counted as
@@ -47,10 +48,10 @@ WAITS = ("Condition.wait", "Event.wait", "sleep", "_wait_open", "select", "poll 
          "sending.py:108")  # an innermost frame that only waits (the last three: a C-level wait there)
 CATEGORIES = (  # first match wins, checked innermost frame first
     ("model compute", ("rngd_pd/model/",)),
-    ("kv transport", ("rngd_pd/kv/", "kv_io.py")),
-    ("responses", ("triton/sending.py", "pbutils.py", "c_python_backend_utils")),
+    ("kv transport", ("rngd_pd/kv/",)),
+    ("responses", ("stubs/sending.py", "pbutils.py", "c_python_backend_utils")),
+    ("orchestration", ("engine/orchestrator.py", "stubs/clients.py", "wire/inputs.py", "pd_model.py")),
     ("engine host work", ("rngd_pd/engine/", "model/sampling", "model/tokenizer", "tokenizers")),
-    ("orchestration", ("triton/orchestrator.py", "triton/clients.py", "triton/inputs.py", "pd_model.py")),
 )
 
 

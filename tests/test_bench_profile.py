@@ -23,3 +23,13 @@ def test_samples_are_put_in_their_innermost_category() -> None:
     assert cats["model compute"] == 60 and cats["responses"] == 10 and cats["kv transport"] == 20
     assert cats["waiting"] == 9 and cats["other"] == 1
     assert funcs.most_common(1)[0] == ("_linear (rngd_pd/model/llama.py:88)", 60)
+
+
+def test_the_orchestrator_is_orchestration_not_engine_work() -> None:
+    """engine/orchestrator.py sits under rngd_pd/engine/ but is pd's orchestration."""
+    cats, _, total = parse_raw(
+        "_bootstrap (threading.py:1002);run (rngd_pd/engine/orchestrator.py:250) 3\n"
+        "stream (rngd_pd/stubs/clients.py:270) 2\n"
+        f"{DECODE} 5\n"
+    )
+    assert total == 10 and cats["orchestration"] == 5 and cats["engine host work"] == 5

@@ -215,7 +215,7 @@ def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_grap
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
     `stage` (import: every op accepted, seconds a graph; compile: the binary, minutes a graph on 2
     cores). `no_cache`: a real compile, not furiosa's cache; `max_unique_shapes`: a bounded tactic
-    search (rngd.compile_check)."""
+    search (rngd.runtime.compile_check)."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")

@@ -21,6 +21,7 @@ from rngd_pd.devices.cpu_features import (
     choose_compute_dtype,
     read_cpu_features,
 )
+from rngd_pd.devices.rngd.env import rngd_env
 from rngd_pd.devices.rngd.runtime import smi_snapshot
 from rngd_pd.model.checkpoint import open_checkpoint
 
@@ -50,7 +51,6 @@ def compute_dtype_choice(env: Mapping[str, str] | None = None, phase: str | None
 
 
 SDK_PACKAGES = ("torch", "numpy", "rebel-compiler", "furiosa-torch", "furiosa-smi")
-RNGD_ENV = Path(__file__).resolve().parents[2] / ".venv-rngd"
 
 
 def _version(package: str) -> str | None:
@@ -68,8 +68,9 @@ def environments() -> list[dict]:
     main["torch"] = f"{main['torch']} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})"
     rows = [{"env": "this (.venv)", "path": sys.prefix, "for": "cpu, cuda, atom",
              "packages": {k: v for k, v in main.items() if v}}]
-    python = RNGD_ENV / "bin" / "python"
-    rngd: dict = {"env": ".venv-rngd", "path": str(RNGD_ENV), "for": "rngd (furiosa-torch pins torch 2.10)"}
+    venv = rngd_env()
+    python = venv / "bin" / "python"
+    rngd: dict = {"env": venv.name, "path": str(venv), "for": "rngd (furiosa-torch pins torch 2.10)"}
     if python.exists():
         code = "\n".join(["import importlib.metadata as m, json", "out = {}", f"for p in {SDK_PACKAGES!r}:",
                           "    try: out[p] = m.version(p)", "    except m.PackageNotFoundError: pass",

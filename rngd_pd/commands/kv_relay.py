@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
+from rngd_pd.errors import ConfigError
 from rngd_pd.kv.relay.server import RelayServer, config_from_env
 
 HELP = "run the KV relay (tcp transport's blob store; nixl-ucx's descriptor store)"
@@ -25,13 +27,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = config_from_env(
-        max_bytes=args.max_mb << 20,
-        max_blob_bytes=args.max_blob_mb << 20,
-        ttl_s=args.ttl_s,
-        secret=args.secret.encode() if args.secret else None,
-        log_blobs=True if args.log else None,
-    )
+    try:
+        cfg = config_from_env(
+            max_bytes=args.max_mb << 20,
+            max_blob_bytes=args.max_blob_mb << 20,
+            ttl_s=args.ttl_s,
+            secret=args.secret.encode() if args.secret else None,
+            log_blobs=True if args.log else None,
+        )
+    except ConfigError as exc:
+        print(f"rngd-pd kv-relay: {exc}", file=sys.stderr)
+        return 2
     server = RelayServer(args.host, args.port, cfg)
     host, port = server.address
     auth = "secret required" if cfg.secret else "no secret"

@@ -18,13 +18,12 @@ import time
 
 import torch
 
+from rngd_pd.config.dtypes import KV_DTYPES, torch_dtype
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.request import DecodeRequest, TokenEvent
 from rngd_pd.model import load_model
 from rngd_pd.model.sampling import SamplingParams
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def run_batch(loaded, pre, batch: int, max_tokens: int, kv_dtype: torch.dtype) -> dict:
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
-    ap.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--share-cores", action="store_true",
                     help="lend the scheduler the idle cores, as served (rngd_pd.devices.cores)")
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype], progress=False)
+    loaded = load_model(args.model, dtype=torch_dtype(args.dtype), progress=False)
     ids = (loaded.tokenizer.encode("the cat sat on the mat. " * args.prompt_len))[: args.prompt_len]
     if args.share_cores:
         from rngd_pd.devices.torch_runtime import as_runtime
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime = as_runtime(loaded)
         print(f"cores: {runtime.share_cores('decode')}")
         loaded = runtime
-    kv_dtype = DTYPES[args.kv_dtype]
+    kv_dtype = torch_dtype(args.kv_dtype)
     pre = PrefillEngine(loaded, kv_dtype).prefill("bench", ids, SamplingParams(max_tokens=args.max_tokens))
     rows = [run_batch(loaded, pre, int(b), args.max_tokens, kv_dtype) for b in args.batches.split(",")]
     base = rows[0]["tok_s"]

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from rngd_pd.config.dtypes import KV_DTYPES, torch_dtype
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
@@ -33,7 +35,6 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
 from bench.kpi import flops_per_token, format_table, measure_cpu_tflops  # noqa: E402
 from rngd_pd.model import KVCache, LoadedModel, load_model  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLS = ["dtype", "phase", "batch", "tokens", "ms", "tok_s", "limit_ms", "ratio", "best_ms", "best_ratio",
         "limit", "invariant"]
 
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: embedded SmolLM2)")
     p.add_argument("--dtype", type=_dtypes, default=["bf16"],
                    help="compute dtype(s) of the weights: fp32, bf16 or both comma separated (a table each)")
-    p.add_argument("--kv-dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16")
     p.add_argument("--prefill", type=_ints, default=[128, 512, 2048], help="prompt lengths, comma separated")
     p.add_argument("--batch", type=_ints, default=[1, 4, 16], help="decode batch sizes, comma separated")
     p.add_argument("--context", type=int, default=256, help="tokens already cached at each decode step")
@@ -156,16 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kv_dtype = DTYPES[args.kv_dtype]
+    kv_dtype = torch_dtype(args.kv_dtype)
     _log("measuring copy bandwidth ...")
     bw = copy_bandwidth()
     for dtype in args.dtype:
-        m = load_model(args.model, dtype=DTYPES[dtype], progress=True)
+        m = load_model(args.model, dtype=torch_dtype(dtype), progress=True)
         m.model.prepare_decode()
         meta = {"dtype": dtype, "kv_dtype": args.kv_dtype, "threads": torch.get_num_threads(),
                 "min_rows": _rows(getattr(m.model, "decode_rows", None))}  # fmt: skip
         _log(f"measuring {dtype} matmul FLOP/s ...")
-        flops = matmul_flops(DTYPES[dtype])
+        flops = matmul_flops(torch_dtype(dtype))
         meta.update(copy_gb_s=bw / 1e9, matmul_gflop_s=flops / 1e9)
         rows = measure(m, args, kv_dtype, bw, flops, meta)
         if args.json:

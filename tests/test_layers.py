@@ -105,6 +105,8 @@ LAZY = {
     "rebel": "Rebellions' SDK, installed only on ATOM hosts",
     "triton_python_backend_utils": "exists only inside Triton's Python stub",
     "rm_core": "ai-rm's registry, used when ai-rm is installed",
+    "tritonclient": "its grpc client, only to parse config.pbtxt: the text stubs never load grpc",
+    "google": "protobuf's text format, with tritonclient above",
 }
 
 

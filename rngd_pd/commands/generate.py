@@ -49,7 +49,6 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    params.validate()
     if not args.prompt:
         raise ConfigError("--prompt is empty; give some text")
     loaded = load_model(args.model, dtype=torch_dtype(args.dtype),

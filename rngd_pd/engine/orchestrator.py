@@ -236,7 +236,6 @@ class Orchestrator:
         configured one (llm-d's `x-prefiller-host-port`)."""
         if not input_ids:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
-        params.validate()
         stats = RunStats(new_key(), time.monotonic(), prompt_len=len(input_ids))
         stats.local_prefill = self._prefill_here(len(input_ids), prefill_at)
         try:

@@ -68,11 +68,8 @@ class GenerationResult:
 def check_request(
     prompt_len: int, params: SamplingParams, max_context: int, key: str | None = None
 ) -> None:
-    """Raise ConfigError / ContextLengthError before any compute is spent on a request."""
-    try:
-        params.validate()
-    except ConfigError as e:
-        raise ConfigError(str(e), key=key) from None
+    """Raise ConfigError / ContextLengthError before any compute is spent on a request (`params`
+    was validated when it was built)."""
     if prompt_len < 1:
         raise ConfigError("the prompt is empty: give at least one token", key=key)
     if prompt_len + params.max_tokens > max_context:

@@ -188,20 +188,11 @@ class TritonBackend:
                     yield chunk
                 if chunk.finish_reason or final:
                     if not chunk.finish_reason:
-                        raise APIError(
-                            502,
-                            f"Triton model '{self.model}' ended the stream without a finish_reason",
-                            type="server_error",
-                            code="backend_error",
-                        )
+                        why = f"Triton model '{self.model}' ended the stream without a finish_reason"
+                        raise APIError.of(errors.RngdPdError, why)
                     return
             done = True
-            raise APIError(
-                502,
-                "Triton closed the stream before the final response",
-                type="server_error",
-                code="backend_error",
-            )
+            raise APIError.of(errors.RngdPdError, "Triton closed the stream before the final response")
         except grpc.aio.AioRpcError as exc:
             done = True
             raise _rpc_error(exc, self) from None

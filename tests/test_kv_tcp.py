@@ -99,8 +99,10 @@ def test_pipelined_push_is_stored_once_flush_returns(relay):
 def test_pipelined_push_error_comes_by_a_later_push_or_flush():
     with start_relay("127.0.0.1", 0, "--max-mb", "1") as r, TcpTransport(r.addr) as t:
         t.push("a", 0, bytes(600_000))
-        t.push("a", 1, bytes(600_000))  # over the cap: the relay refuses it, the answer comes later
         with pytest.raises(TransportCapacityError, match="memory cap"):
+            # over the cap: the relay refuses it; its answer is read by this push when it is already
+            # there (the relay answers as soon as it has discarded the body), else by the flush
+            t.push("a", 1, bytes(600_000))
             t.flush("a")
         assert "a" not in t.client._pushing
         t.push("a", 2, b"small")  # a fresh connection: the client still works

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +25,6 @@ from rngd_pd.devices.cores import CoreShare, host_cores
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.cache import KVCache
-
-if TYPE_CHECKING:
-    from rngd_pd.devices.cores import CoreShare
 
 log = logging.getLogger(__name__)
 

@@ -284,8 +284,7 @@ def rngd_stack(systems: Sequence[str], a: argparse.Namespace, out: Path) -> Iter
         str(metrics),
         "--openai-port",
         str(openai),
-        "--param",
-        f"num_slots={a.num_slots}",
+        *(("--param", f"num_slots={a.num_slots}") if a.num_slots else ()),  # 0: the served default
         "--ready-timeout",
         str(int(a.server_timeout)),
         *a.serve_arg,
@@ -495,7 +494,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--quick", action="store_true", help="concurrency 1,4, prompt 128, output 32, 8 trace rows"
     )
-    ap.add_argument("--num-slots", type=int, default=32, help="decode slots of pd/colocated")
+    ap.add_argument(
+        "--num-slots", type=int, default=32, help="decode slots of pd/colocated (0 = the served default)"
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `rngd-pd serve` argument")
     ap.add_argument("--pd-cards", default="cpu:0", help="cards PD uses (production: rngd:0,atom:0)")
     ap.add_argument("--colocated-cards", default="cpu:0")

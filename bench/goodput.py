@@ -1,0 +1,402 @@
+"""Goodput under SLO: the highest open-loop request rate at which at least 90 % of requests meet both a
+TTFT and a TPOT objective (DistServe's measure), for rngd-pd and vLLM CPU on the same host, one after the
+other, with the same arrivals and prompts.
+
+    python bench/goodput.py                                   # the mix below, rngd-pd and vLLM, 0.25..1 req/s
+    python bench/goodput.py --mix 128:0.7,512:0.2,1536:0.1 --rates 0.25,0.5,0.75,1 --bisect 3
+    python bench/goodput.py --workload chat --turns 4         # multi-turn chat, histories shared
+    python bench/goodput.py --workload summarize              # long prompts, short answers
+    python bench/goodput.py --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
+    python bench/goodput.py --systems pd --attach pd=http://127.0.0.1:9000   # a running front end
+
+A request meets the objective when it succeeds, its TTFT <= max(--ttft-ms, --ttft-ms-per-token x its
+prompt tokens) and its TPOT <= --tpot-ms. Attainment at a rate = the share of the run's requests that meet
+it. The run replays the same unit-rate Poisson arrivals (seeded) scaled to each rate, so every rate and
+every system sees the same requests in the same order; after the sweep, `--bisect N` halves the interval
+between the highest rate that met --attainment and the lowest that did not, N times, per system.
+Workloads: `mix` (unique prompts whose lengths follow --mix), `chat` (conversations whose every turn
+resends the history plus a new user message: prefixes shared, as a chat client does), `summarize` (long
+prompts, short outputs). Output tokens are --max-tokens with EOS ignored.
+
+Prints a table; writes goodput.json (every point and request), goodput.png (attainment against rate per
+system) and the servers' logs under --out. A speed run runs alone: nothing else on the machine; the load
+average is recorded in every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench import load_gen, sweep  # noqa: E402
+
+SYSTEMS = ("pd", "vllm")
+DEFAULT_MIX = "128:0.7,512:0.2,1536:0.1"
+SUMMARIZE_MIX = "1024:0.5,2048:0.5"
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a workload: its arrival at rate 1 (seconds), its prompt and output lengths."""
+
+    index: int
+    unit_at: float
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    conversation: int | None = None
+    turn: int | None = None
+
+
+def parse_mix(text: str) -> list[tuple[int, float]]:
+    """`128:0.7,512:0.2,1536:0.1` -> [(128, 0.7), ...]; weights are normalised."""
+    pairs = []
+    for part in text.split(","):
+        tokens, _, weight = part.partition(":")
+        pairs.append((int(tokens), float(weight or 1)))
+    total = sum(w for _, w in pairs)
+    if not pairs or total <= 0 or any(t < 1 or w < 0 for t, w in pairs):
+        raise ValueError(f"--mix wants TOKENS:WEIGHT,... with tokens >= 1 and weights >= 0, got {text!r}")
+    return [(t, w / total) for t, w in pairs]
+
+
+def unit_arrivals(n: int, seed: int) -> list[float]:
+    """Poisson arrivals at 1 request/s; the arrivals at rate r are these divided by r."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(1.0)
+    return out
+
+
+def mix_workload(
+    n: int, mix: Sequence[tuple[int, float]], max_tokens: int, make: Callable[[int], str], seed: int
+) -> list[Request]:
+    """n unique prompts whose lengths are drawn from the mix (exact counts: round(n x weight))."""
+    lengths: list[int] = []
+    for tokens, weight in mix:
+        lengths += [tokens] * round(n * weight)
+    lengths = (lengths + [mix[0][0]] * n)[:n]
+    random.Random(seed).shuffle(lengths)
+    arrivals = unit_arrivals(n, seed)
+    return [Request(i, arrivals[i], make(p), p, max_tokens) for i, p in enumerate(lengths)]
+
+
+def chat_workload(
+    conversations: int, turns: int, system_tokens: int, user_tokens: int, answer_tokens: int,
+    max_tokens: int, make: Callable[[int], str], seed: int,
+) -> list[Request]:
+    """Multi-turn chats: turn k resends the system prompt, every earlier user message and a stand-in for
+    each earlier answer, then a new user message; turn k of a conversation arrives after its turn k-1.
+    Each conversation has its own system prompt (no prefix shared across conversations)."""
+    rng = random.Random(seed)
+    left = {c: turns for c in range(conversations)}
+    history = {c: (make(system_tokens), system_tokens) for c in range(conversations)}
+    arrivals = unit_arrivals(conversations * turns, seed)
+    out: list[Request] = []
+    for i, at in enumerate(arrivals):
+        c = rng.choice(sorted(k for k, v in left.items() if v))
+        turn = turns - left[c]
+        left[c] -= 1
+        text, count = history[c]
+        text, count = text + make(user_tokens), count + user_tokens
+        out.append(Request(i, at, text, count, max_tokens, conversation=c, turn=turn))
+        history[c] = (text + make(answer_tokens), count + answer_tokens)
+    return out
+
+
+# ----------------------------------------------------------------------------- objective
+
+
+@dataclass(frozen=True)
+class Objective:
+    """TTFT <= max(ttft_ms, ttft_ms_per_token x prompt tokens) and TPOT <= tpot_ms."""
+
+    ttft_ms: float = 1000.0
+    ttft_ms_per_token: float = 2.0
+    tpot_ms: float = 100.0
+
+    def ttft_limit_ms(self, prompt_tokens: int) -> float:
+        return max(self.ttft_ms, self.ttft_ms_per_token * prompt_tokens)
+
+    def met(self, r: load_gen.Result) -> bool:
+        if r.error is not None or r.ttft_ms is None:
+            return False
+        tpot_ok = r.tpot_ms is None or r.tpot_ms <= self.tpot_ms  # one output token: no TPOT to miss
+        return r.ttft_ms <= self.ttft_limit_ms(r.prompt_tokens) and tpot_ok
+
+    def __str__(self) -> str:
+        return (f"TTFT <= max({self.ttft_ms:g} ms, {self.ttft_ms_per_token:g} ms x prompt tokens), "
+                f"TPOT <= {self.tpot_ms:g} ms")
+
+
+def point_row(system: str, rate: float, results: list[load_gen.Result], wall_s: float,
+              objective: Objective) -> dict[str, Any]:
+    """Attainment and latency percentiles of one run at one rate."""
+    ok = [r for r in results if r.error is None]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    tpot = [r.tpot_ms for r in ok if r.tpot_ms is not None]
+    met = sum(objective.met(r) for r in results)
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "system": system,
+        "rate": rate,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "attainment": round(met / len(results), 4) if results else 0.0,
+        "ttft_p50_ms": load_gen.pct(ttft, 50), "ttft_p90_ms": load_gen.pct(ttft, 90),
+        "tpot_p50_ms": load_gen.pct(tpot, 50), "tpot_p90_ms": load_gen.pct(tpot, 90),
+        "output_tok_s": round(out_tokens / wall_s, 2) if wall_s > 0 else None,
+        "wall_s": round(wall_s, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def goodput(points: Sequence[dict[str, Any]], target: float) -> float:
+    """The highest rate whose attainment >= target, below which every measured rate met it too
+    (a rate that passes above a failing one is luck, not capacity); 0.0 when the lowest fails."""
+    best = 0.0
+    for p in sorted(points, key=lambda p: p["rate"]):
+        if p["attainment"] < target:
+            break
+        best = p["rate"]
+    return best
+
+
+def next_bisection(points: Sequence[dict[str, Any]], target: float) -> float | None:
+    """The midpoint between the goodput and the lowest rate above it that failed (None: nothing to split)."""
+    good = goodput(points, target)
+    above = [p["rate"] for p in points if p["rate"] > good and p["attainment"] < target]
+    if not above:
+        return None
+    return round((good + min(above)) / 2, 4) if good > 0 else round(min(above) / 2, 4)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+async def replay(url: str, model: str, requests: Sequence[Request], rate: float,
+                 timeout: float) -> tuple[list[load_gen.Result], float]:
+    """Send every request at unit_at / rate (open loop), streamed, EOS ignored, greedy."""
+    args = argparse.Namespace(endpoint="completions", ignore_eos=True, temperature=0.0,
+                              api_key=None, timeout=timeout)
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def at(r: Request) -> load_gen.Result:
+            await asyncio.sleep(max(0.0, r.unit_at / rate - (time.perf_counter() - t0)))
+            spec = load_gen.Spec(r.index, r.unit_at / rate, r.prompt_tokens, r.max_tokens)
+            return await load_gen.run_one(client, args, model, spec, r.prompt, t0)
+
+        results = await asyncio.gather(*(at(r) for r in requests))
+        return list(results), time.perf_counter() - t0
+
+
+def warm(url: str, model: str, requests: Sequence[Request], timeout: float) -> None:
+    """One request of each prompt length (shortest first), one at a time, before any measured point."""
+    seen: dict[int, Request] = {}
+    for r in requests:
+        seen.setdefault(r.prompt_tokens, r)
+    for i, (n, r) in enumerate(sorted(seen.items())):
+        warm_req = Request(i, 0.0, r.prompt + " warm", n + 1, 4)
+        asyncio.run(replay(url, model, [warm_req], 1.0, timeout))
+
+
+def measure_system(url: str, system: str, requests: Sequence[Request], a: argparse.Namespace,
+                   objective: Objective, sink: Any) -> list[dict[str, Any]]:
+    """Every rate of --rates, then --bisect midpoints; each point's row is written to sink at once."""
+    model = sweep._model_id(url)
+    warm(url, model, requests, a.timeout)
+    points: list[dict[str, Any]] = []
+
+    def run_at(rate: float) -> None:
+        results, wall = asyncio.run(replay(url, model, requests, rate, a.timeout))
+        row = point_row(system, rate, results, wall, objective)
+        log(f"{system:>5} {rate:6.3f} req/s: attainment {row['attainment']:.2f}, TTFT p50/p90 "
+            f"{row['ttft_p50_ms']}/{row['ttft_p90_ms']} ms, TPOT p50/p90 {row['tpot_p50_ms']}/"
+            f"{row['tpot_p90_ms']} ms, errors {row['errors']}")
+        points.append(row)
+        sink.write(json.dumps({**row, "results": [asdict(r) for r in results]}) + "\n")
+        sink.flush()
+
+    for rate in a.rates:
+        run_at(rate)
+    for _ in range(a.bisect):
+        mid = next_bisection(points, a.attainment)
+        if mid is None or any(abs(p["rate"] - mid) < 1e-6 for p in points):
+            break
+        run_at(mid)
+    return points
+
+
+def start_system(system: str, a: argparse.Namespace, stack: ExitStack) -> str:
+    """The base URL of a running `system`, started through bench/sweep.py's launchers (or attached)."""
+    if system in a.attached:
+        return a.attached[system]
+    slots = a.num_slots if system == "vllm" else a.pd_num_slots
+    sa = sweep.parse_args(["--systems", system, "--num-slots", str(slots), "--out", str(a.out),
+                           "--prompt-tokens", str(max(r.prompt_tokens for r in a.requests_)),
+                           "--max-tokens", str(a.max_tokens), "--trace", "",
+                           *(x for arg in a.serve_arg for x in ("--serve-arg", arg))])
+    ctx = sweep.rngd_stack([system], sa, a.out) if system == "pd" else sweep.peer(system, sa, a.out)
+    return stack.enter_context(ctx)[0].url
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(points: Sequence[dict[str, Any]], target: float) -> str:
+    lines = ["| system | rate (req/s) | attainment | TTFT p50 / p90 ms | TPOT p50 / p90 ms | errors | load |",
+             "|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["system"], p["rate"])):
+        lines.append(f"| {p['system']} | {p['rate']:g} | {p['attainment']:.2f} | {p['ttft_p50_ms']} / "
+                     f"{p['ttft_p90_ms']} | {p['tpot_p50_ms']} / {p['tpot_p90_ms']} | {p['errors']} | "
+                     f"{p['loadavg_1m']} |")
+    by_system: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        by_system.setdefault(p["system"], []).append(p)
+    good = {s: goodput(ps, target) for s, ps in by_system.items()}
+    lines.append("")
+    lines += [f"goodput ({target:.0%} within the objective) {s}: {g:g} req/s" for s, g in good.items()]
+    if good.get("vllm"):
+        lines.append(f"goodput pd / vllm: {good.get('pd', 0.0) / good['vllm']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(points: Sequence[dict[str, Any]], target: float, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in sorted({p["system"] for p in points}):
+        ps = sorted((p for p in points if p["system"] == system), key=lambda p: p["rate"])
+        ax.plot([p["rate"] for p in ps], [p["attainment"] for p in ps], marker="o",
+                label=f"{system} (goodput {goodput(ps, target):g} req/s)")
+    ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("request rate (req/s, Poisson)")
+    ax.set_ylabel("share of requests within the objective")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def log(msg: str) -> None:
+    print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="pd and/or vllm")
+    ap.add_argument("--attach", default="", help="SYSTEM=URL,...: running servers instead of starting them")
+    ap.add_argument("--workload", choices=("mix", "chat", "summarize"), default="mix")
+    ap.add_argument("--mix", default=None, help=f"TOKENS:WEIGHT,... (mix default {DEFAULT_MIX}; "
+                    f"summarize {SUMMARIZE_MIX})")
+    ap.add_argument("--requests", type=int, default=60, help="requests per point (mix, summarize)")
+    ap.add_argument("--conversations", type=int, default=12, help="chat: conversations")
+    ap.add_argument("--turns", type=int, default=5, help="chat: turns per conversation")
+    ap.add_argument("--system-tokens", type=int, default=256, help="chat: each conversation's system prompt")
+    ap.add_argument("--user-tokens", type=int, default=64, help="chat: tokens per user message")
+    ap.add_argument("--answer-tokens", type=int, default=64, help="chat: tokens of each earlier answer")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens (mix/chat 64, summarize 32)")
+    ap.add_argument("--rates", type=floats, default=[0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--bisect", type=int, default=2, help="bisection steps after the sweep, per system")
+    ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--ttft-ms-per-token", type=float, default=2.0)
+    ap.add_argument("--tpot-ms", type=float, default=100.0)
+    ap.add_argument("--num-slots", type=int, default=32, help="vLLM's max_num_seqs")
+    ap.add_argument("--pd-num-slots", type=int, default=0, help="pd's decode slots (0: what serve sizes)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `rngd-pd serve` argument")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    out = ROOT / "bench" / "out" / time.strftime("goodput-%Y%m%d-%H%M%S")
+    ap.add_argument("--out", type=Path, default=out)
+    a = ap.parse_args(argv)
+    a.systems = [s for s in a.systems.split(",") if s]
+    if set(a.systems) - set(SYSTEMS):
+        ap.error(f"--systems: choose from {','.join(SYSTEMS)}")
+    a.attached = dict(kv.split("=", 1) for kv in a.attach.split(",") if kv)
+    if a.max_tokens is None:
+        a.max_tokens = 32 if a.workload == "summarize" else 64
+    a.mix = a.mix or (SUMMARIZE_MIX if a.workload == "summarize" else DEFAULT_MIX)
+    if not a.rates or min(a.rates) <= 0 or not 0 < a.attainment <= 1:
+        ap.error("--rates must be > 0 and --attainment in (0, 1]")
+    return a
+
+
+def build_requests(a: argparse.Namespace) -> list[Request]:
+    make = load_gen.PromptMaker(None, a.seed).make
+    if a.workload == "chat":
+        return chat_workload(a.conversations, a.turns, a.system_tokens, a.user_tokens, a.answer_tokens,
+                             a.max_tokens, make, a.seed)
+    return mix_workload(a.requests, parse_mix(a.mix), a.max_tokens, make, a.seed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.requests_ = build_requests(a)
+    objective = Objective(a.ttft_ms, a.ttft_ms_per_token, a.tpot_ms)
+    log(f"{a.workload}: {len(a.requests_)} requests a point; objective {objective}; "
+        f"load average {os.getloadavg()[0]:.2f}")
+    points: list[dict[str, Any]] = []
+    with (a.out / "points.jsonl").open("a") as sink:
+        for system in a.systems:  # one after the other: never two servers measuring at once
+            with ExitStack() as stack:
+                url = start_system(system, a, stack)
+                points += measure_system(url, system, a.requests_, a, objective, sink)
+    shape = f"{a.conversations}x{a.turns} turns" if a.workload == "chat" else a.mix
+    title = f"{a.workload} ({shape}); {objective}"
+    report = {
+        "workload": a.workload, "mix": a.mix, "objective": asdict(objective), "attainment": a.attainment,
+        "rates": a.rates, "cpu": cpu_name(), "points": points,
+        "goodput": {s: goodput([p for p in points if p["system"] == s], a.attainment) for s in a.systems},
+    }
+    (a.out / "goodput.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(points, a.attainment, title, a.out / "goodput.png")
+    print(table(points, a.attainment))
+    log(f"wrote {a.out}/goodput.json, goodput.png, points.jsonl")
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

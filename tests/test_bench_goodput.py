@@ -1,0 +1,104 @@
+"""bench/goodput.py without servers: workloads, the objective, goodput and bisection, table and plot."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from bench import goodput, load_gen
+
+
+def _words(n: int) -> str:
+    return "".join(f" w{i}" for i in range(n))
+
+
+def _counter_maker():
+    counter = itertools.count()
+    return lambda n: "".join(f" t{next(counter)}" for _ in range(n))
+
+
+def test_mix_is_normalised_and_checked():
+    assert goodput.parse_mix("128:7,512:2,1536:1") == [(128, 0.7), (512, 0.2), (1536, 0.1)]
+    for bad in ("", "0:1", "128:-1", "128:0"):
+        with pytest.raises(ValueError):
+            goodput.parse_mix(bad)
+
+
+def test_mix_workload_has_exact_shares_and_unit_poisson_arrivals():
+    reqs = goodput.mix_workload(60, goodput.parse_mix(goodput.DEFAULT_MIX), 64, _words, seed=3)
+    assert Counter(r.prompt_tokens for r in reqs) == {128: 42, 512: 12, 1536: 6}
+    arrivals = [r.unit_at for r in reqs]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    assert 30 < arrivals[-1] < 100  # 59 gaps of mean 1 s
+    assert arrivals == goodput.unit_arrivals(60, 3)  # every rate replays the same arrivals, scaled
+    assert all(r.max_tokens == 64 for r in reqs)
+
+
+def test_chat_turns_resend_their_history_in_order():
+    reqs = goodput.chat_workload(4, 3, 16, 8, 8, 32, _counter_maker(), seed=1)
+    assert len(reqs) == 12
+    by_conv: dict[int, list[goodput.Request]] = {}
+    for r in reqs:
+        by_conv.setdefault(r.conversation, []).append(r)
+    prefixes = set()
+    for turns in by_conv.values():
+        assert [t.turn for t in turns] == [0, 1, 2]  # in arrival order
+        for earlier, later in itertools.pairwise(turns):
+            assert later.prompt.startswith(earlier.prompt)  # the history is a shared prefix
+            assert later.prompt_tokens == earlier.prompt_tokens + 8 + 8  # its answer + a new message
+        assert turns[0].prompt_tokens == 16 + 8
+        prefixes.add(turns[0].prompt.split()[0])
+    assert len(prefixes) == 4  # no prefix shared across conversations
+
+
+def _result(prompt: int, ttft: float | None, tpot: float | None, error: str | None = None):
+    return load_gen.Result(0, prompt, output_tokens=64, ttft_ms=ttft, tpot_ms=tpot, error=error)
+
+
+def test_objective_is_the_issue_formula():
+    o = goodput.Objective(1000.0, 2.0, 100.0)
+    assert o.ttft_limit_ms(128) == 1000.0 and o.ttft_limit_ms(1536) == 3072.0
+    assert o.met(_result(1536, 3000.0, 99.0))
+    assert not o.met(_result(128, 1001.0, 50.0))
+    assert not o.met(_result(128, 500.0, 100.5))
+    assert not o.met(_result(128, None, None))
+    assert not o.met(_result(128, 10.0, 10.0, error="HTTP 503"))
+
+
+def _points(*pairs: tuple[float, float]) -> list[dict]:
+    return [{"system": "pd", "rate": r, "attainment": a} for r, a in pairs]
+
+
+def test_goodput_is_the_highest_rate_below_the_first_miss():
+    assert goodput.goodput(_points((0.25, 0.98), (0.5, 0.91), (0.75, 0.6), (1.0, 0.95)), 0.9) == 0.5
+    assert goodput.goodput(_points((0.25, 0.5)), 0.9) == 0.0
+    assert goodput.next_bisection(_points((0.25, 0.98), (0.5, 0.91), (0.75, 0.6)), 0.9) == 0.625
+    assert goodput.next_bisection(_points((0.25, 0.5)), 0.9) == 0.125
+    assert goodput.next_bisection(_points((0.25, 0.95)), 0.9) is None
+
+
+def test_point_row_table_and_plot(tmp_path):
+    o = goodput.Objective()
+    results = [_result(128, 300.0, 40.0), _result(1536, 4000.0, 40.0), _result(512, 900.0, 150.0),
+               _result(128, None, None, error="HTTP 503")]
+    row = goodput.point_row("pd", 0.5, results, 10.0, o)
+    assert row["attainment"] == 0.25 and row["errors"] == 1 and row["requests"] == 4
+    points = [row, {**row, "system": "vllm", "attainment": 0.95, "rate": 0.5}]
+    text = goodput.table(points, 0.9)
+    assert "goodput (90% within the objective) vllm: 0.5 req/s" in text
+    assert "goodput pd / vllm: 0.00x" in text
+    goodput.plot(points, 0.9, "t", tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 1000
+
+
+def test_command_line_defaults_follow_the_issue():
+    a = goodput.parse_args([])
+    assert a.systems == ["pd", "vllm"] and a.rates == [0.25, 0.5, 0.75, 1.0]
+    assert a.mix == goodput.DEFAULT_MIX and a.max_tokens == 64 and a.requests == 60
+    assert (a.ttft_ms, a.ttft_ms_per_token, a.tpot_ms, a.attainment) == (1000.0, 2.0, 100.0, 0.9)
+    s = goodput.parse_args(["--workload", "summarize"])
+    assert s.mix == goodput.SUMMARIZE_MIX and s.max_tokens == 32
+    with pytest.raises(SystemExit):
+        goodput.parse_args(["--systems", "tgi"])

@@ -79,6 +79,8 @@ def test_step_logits_are_bit_identical_alone_and_in_ragged_batches(models, smoll
             "four joining late": ([(_prompt(tok, 4 + 9 * i, i), 2 + i, STEPS) for i in range(4)], 4, 5, 80),
             "seven ragged": ([(_prompt(tok, 2 + 7 * i, i), i % 3, STEPS - i) for i in range(7)], 7, 8, 128),
             "big bucket": ([(_prompt(tok, 50, 2), 0, STEPS)], 1, 2, 2048),
+            "long rows attend apart": ([(_prompt(tok, 300, 2), 0, STEPS), (_prompt(tok, 140, 4), 0, STEPS)],
+                                       2, 3, 1024),
         }
         for name, (others, slot, slots, max_len) in batches.items():
             got = _trace(model, target, others, slot, slots, max_len)
@@ -97,15 +99,16 @@ def test_engine_greedy_and_logits_alone_equal_continuous_batching(models, smollm
     pre = PrefillEngine(loaded, chunk_size=None)
     results = [pre.prefill(f"p{i}", p, params[i]) for i, p in enumerate(prompts)]
     seen: dict[tuple[int, int, int], torch.Tensor] = {}  # (cache, slot, position) -> logits row
-    real_step = loaded.model.decode_step
+    real_step = loaded.model.decode_step_parts
 
-    def recording_step(tokens, positions, cache, slots):
-        out = real_step(tokens, positions, cache, slots)
-        for i, (s, p) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
-            seen[(id(cache), s, p)] = out[i].clone()
+    def recording_step(tokens, positions, parts):
+        out = real_step(tokens, positions, parts)
+        where = [(id(cache), s) for cache, slots in parts for s in slots.tolist()]
+        for i, ((c, s), p) in enumerate(zip(where, positions.tolist(), strict=True)):
+            seen[(c, s, p)] = out[i].clone()
         return out
 
-    monkeypatch.setattr(loaded.model, "decode_step", recording_step)
+    monkeypatch.setattr(loaded.model, "decode_step_parts", recording_step)
 
     def run(indices: list[int], num_slots: int) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
         seen.clear()
@@ -139,6 +142,55 @@ def test_engine_greedy_and_logits_alone_equal_continuous_batching(models, smollm
         assert tokens == alone_tokens, f"request {i}"
         assert len(logits) == params[i].max_tokens - 1
         assert all(torch.equal(a, b) for a, b in zip(alone_logits, logits, strict=True)), f"request {i}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_step_over_several_caches_gives_each_row_its_own_caches_bits(models, smollm, dtype) -> None:
+    """decode_step_parts (one step over the rows of every bucket) against decode_step over each
+    cache alone: the same logits bits for every row, for several steps, and the same K/V written."""
+    model, tok = models[dtype], smollm.tokenizer
+    shapes = ((3, 48), (2, 160), (1, 512))  # (rows, max_len) per cache: three buckets
+    prompts = [[_prompt(tok, 3 + 11 * i + 5 * j, i + j) for j in range(rows)]
+               for i, (rows, _) in enumerate(shapes)]
+
+    def caches() -> tuple[list[KVCache], list[int], list[int]]:
+        """One cache per shape, its prompts prefilled into slots 1.. (a part's slots are no plain
+        range from 0); the first tokens and the positions, flat in part order."""
+        out, toks, pos = [], [], []
+        for (rows, max_len), group in zip(shapes, prompts, strict=True):
+            cache = KVCache(model.config, rows + 1, max_len, BF16)
+            for slot, prompt in enumerate(group, start=1):
+                logits, kv = model.prefill(torch.tensor(prompt), kv_dtype=BF16)
+                cache.load_all(slot, kv)
+                toks.append(int(logits.argmax()))
+                pos.append(len(prompt))
+            out.append(cache)
+        return out, toks, pos
+
+    fused, toks, pos = caches()
+    alone, _, _ = caches()
+    slots = [torch.arange(1, rows + 1) for rows, _ in shapes]
+    for step in range(4):
+        parts = list(zip(fused, slots, strict=True))
+        got = model.decode_step_parts(torch.tensor(toks), torch.tensor(pos), parts)
+        want, start = [], 0
+        for cache, s in zip(alone, slots, strict=True):
+            n = len(s)
+            want.append(model.decode_step(torch.tensor(toks[start : start + n]),
+                                          torch.tensor(pos[start : start + n]), cache, s))
+            start += n
+        assert torch.equal(got, torch.cat(want)), f"{dtype} step {step}"
+        toks, pos = got.argmax(dim=-1).tolist(), [p + 1 for p in pos]
+    for c_f, c_a in zip(fused, alone, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(c_f.k + c_f.v, c_a.k + c_a.v, strict=True))
+
+
+def test_rows_attend_in_groups_by_length_only_where_it_saves_keys() -> None:
+    groups = llama_mod._length_groups
+    assert groups([10, 200, 230]) == [None]  # under _SPLIT_KEYS keys: one group
+    assert groups([300, 400, 500]) == [None]  # every row over half the longest
+    assert groups([1600, 100, 700, 1500, 20]) == [[0, 3], [2], [1, 4]]  # 1600s, 700, the short ones
+    assert groups([600, 30]) == [[0], [1]]
 
 
 def test_min_rows_are_measured_and_attention_lengths_rounded(models) -> None:

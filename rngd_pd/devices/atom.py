@@ -29,7 +29,7 @@ import numpy as np
 from rngd_pd.config.dtypes import DTYPES, KV_DTYPES, short_dtype, torch_dtype
 from rngd_pd.config.env import RBLN_TARGET_SOC, RNGD_PD_ATOM_CACHE
 from rngd_pd.devices.base import Device, unavailable
-from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer
+from rngd_pd.devices.runtime import GraphShapes, KVList, MemoryInfo, OnLayer, step_parts_in_turn
 from rngd_pd.devices.torch_runtime import _host_memory
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.cache import KVCache
@@ -174,6 +174,9 @@ class AtomRuntime:
         outs = self._runtime.run(full_tokens, full_pos, *caches)
 
         return StaticDecode.write_back(cache, tuple(outs), slots, positions).float()[:b]
+
+    def decode_step_parts(self, tokens: Any, positions: Any, parts: Sequence[tuple[Any, Any]]) -> Any:
+        return step_parts_in_turn(self, tokens, positions, parts)  # a graph per bucket shape
 
     def to_host(self, tensor: Any) -> Any:
         return tensor  # the cache and every graph output are host tensors on this path

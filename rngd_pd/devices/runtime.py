@@ -93,6 +93,19 @@ def plan_buckets(
     return dict(sorted(plan.items()))
 
 
+def step_parts_in_turn(runtime: DeviceRuntime, tokens: Any, positions: Any,
+                       parts: Sequence[tuple[Any, Any]]) -> Any:
+    """`decode_step_parts` as one `decode_step` per part (graphs compiled per cache shape)."""
+    import torch
+
+    out, start = [], 0
+    for cache, slots in parts:
+        n = int(slots.shape[0])
+        out.append(runtime.decode_step(tokens[start : start + n], positions[start : start + n], cache, slots))
+        start += n
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """What the device holds and has left, in bytes (host RAM for the CPU)."""
@@ -155,6 +168,13 @@ class DeviceRuntime(Protocol):
 
     def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:
         """One token for each of B rows: writes their K/V into `cache`, host fp32 logits [B, vocab]."""
+        ...
+
+    def decode_step_parts(self, tokens: Any, positions: Any, parts: Sequence[tuple[Any, Any]]) -> Any:
+        """`decode_step` over rows in several caches (the engine's buckets): parts[i] = (cache, slots)
+        owns the next len(slots) rows. A runtime that can, reads the weights once for all rows (the
+        step's cost then follows its rows, not its number of buckets); one whose graphs are per cache
+        shape runs the parts in turn (`step_parts_in_turn`). Host fp32 logits [B, vocab]."""
         ...
 
     def to_host(self, tensor: Any) -> Any:

@@ -25,6 +25,7 @@ from rngd_pd.devices.cores import CoreShare, host_cores
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.cache import KVCache
+from rngd_pd.model.llama import StepPart
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,11 @@ class TorchRuntime:
         return host, tensor
 
     def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> torch.Tensor:
+        return self.decode_step_parts(tokens, positions, [(cache, slots)])
+
+    def decode_step_parts(self, tokens: Any, positions: Any, parts: Sequence[StepPart]) -> torch.Tensor:
         with self.cores.working() if self.cores is not None else contextlib.nullcontext():
-            logits = self.loaded.model.decode_step(tokens, positions, cache, slots)
+            logits = self.loaded.model.decode_step_parts(tokens, positions, list(parts))
         return logits if logits.device.type == "cpu" else logits.float().cpu()
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Decode engine: B slots, one scheduler thread, continuous batching over sequence buckets.
 
-Each scheduler iteration admits requests whose KV has been loaded, runs one batched
-`Llama.decode_step` per bucket that has active slots, samples every row with its request's own
+Each scheduler iteration admits requests whose KV has been loaded, runs one batched decode step
+over the active slots of every bucket (`Llama.decode_step_parts`: the weights are read once for all
+rows, each bucket's attention over its own rows), samples every row with its request's own
 sampler, emits each token to its request's callback and retires finished or cancelled requests at
 once. KV arrives on loader threads (`load_kv` may block on a transport) straight into the slot the
 request will decode in, so a slow transfer never stalls the running streams.
@@ -84,15 +85,26 @@ class _Bucket:
         self.free = list(range(slots))  # a heap: the lowest free slot first, so active slots stay
         # mostly contiguous and the step reads the cache as one view instead of a gather
         self.active: dict[int, _Entry] = {}
-        # a numpy view of the step's index input: one vectorised fill per step, nothing allocated
-        self._np, self._t = runtime.step_buffers(slots)
 
-    def step_inputs(self, rows: list[_Entry]) -> tuple[Any, Any, Any]:
-        n = len(rows)
-        self._np[0, :n] = [e.last_token for e in rows]
-        self._np[1, :n] = [e.position for e in rows]
-        self._np[2, :n] = [e.slot for e in rows]
-        return self._t[0, :n], self._t[1, :n], self._t[2, :n]
+
+class _StepInputs:
+    """The step's index input for every slot of every bucket: a numpy view the engine fills with one
+    vectorised write per row kind, and the same memory as the runtime's tensor (nothing allocated)."""
+
+    def __init__(self, runtime: DeviceRuntime, rows: int) -> None:
+        self._np, self._t = runtime.step_buffers(rows)
+
+    def fill(self, tokens: list[int], positions: list[int], slots: list[int],
+             sizes: list[tuple[Any, int]]) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+        """(tokens, positions, parts) of one step; sizes[i] = (cache, rows) groups the rows in order,
+        parts[i] = (that cache, its rows' slots)."""
+        n = len(tokens)
+        self._np[0, :n], self._np[1, :n], self._np[2, :n] = tokens, positions, slots
+        parts, start = [], 0
+        for cache, k in sizes:
+            parts.append((cache, self._t[2, start : start + k]))
+            start += k
+        return self._t[0, :n], self._t[1, :n], parts
 
 
 class DecodeEngine:
@@ -132,6 +144,7 @@ class DecodeEngine:
         self.runtime.prepare(GraphShapes(decode=tuple((s, n) for n, s in plan.items()),
                                          kv_dtype=self.kv_dtype))
         self.buckets = [_Bucket(self.runtime, s, n, self.kv_dtype) for n, s in plan.items()]
+        self._inputs = _StepInputs(self.runtime, sum(b.slots for b in self.buckets))
         self._loader_threads = loader_threads
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -237,12 +250,14 @@ class DecodeEngine:
             raise RngdPdError("time_step measures an idle engine; call it before start()")
         b = self.buckets[0]
         rows = b.slots if rows is None else max(1, min(rows, b.slots))
-        b._np[:, :rows] = [[1] * rows, [min(position, b.max_len - 1)] * rows, list(range(rows))]
+        at = min(position, b.max_len - 1)
+        tokens, positions, parts = self._inputs.fill([1] * rows, [at] * rows, list(range(rows)),
+                                                     [(b.cache, rows)])
         times = []
         with self.runtime.inference():
             for i in range(repeat + 1):  # the first one warms up
                 t0 = time.perf_counter()
-                self.runtime.decode_step(b._t[0, :rows], b._t[1, :rows], b.cache, b._t[2, :rows])
+                self.runtime.decode_step_parts(tokens, positions, parts)
                 if i:
                     times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
@@ -338,9 +353,8 @@ class DecodeEngine:
                     self._retire(e, e.state.final(FinishReason.CANCELLED))
                 for e in ready:
                     self._admit(e)
-                for b in self.buckets:
-                    if b.active:
-                        self._step(b)
+                if busy or ready:
+                    self._step()
 
     def _start_loads_locked(self) -> None:
         """FIFO: give the head of the queue a slot and start loading its KV, while slots last."""
@@ -395,13 +409,19 @@ class DecodeEngine:
             e.advance(Phase.ACTIVE)
             e.bucket.active[e.slot] = e
 
-    def _step(self, b: _Bucket) -> None:
-        """One batched decode step over the bucket's active slots, then sample, emit, retire."""
-        rows = [b.active[s] for s in sorted(b.active)]
+    def _step(self) -> None:
+        """One batched decode step over the active slots of every bucket (the weights read once for
+        all rows), then sample, emit, retire."""
+        groups = [(b, [b.active[s] for s in sorted(b.active)]) for b in self.buckets if b.active]
+        if not groups:
+            return
+        rows = [e for _, es in groups for e in es]
         t0 = time.perf_counter()
-        tokens, positions, slots = b.step_inputs(rows)
+        tokens, positions, parts = self._inputs.fill(
+            [e.last_token for e in rows], [e.position for e in rows], [e.slot for e in rows],
+            [(b.cache, len(es)) for b, es in groups])
         try:
-            logits = self.runtime.decode_step(tokens, positions, b.cache, slots)
+            logits = self.runtime.decode_step_parts(tokens, positions, parts)
             greedy = logits.argmax(dim=-1).tolist()
         except Exception as ex:
             log.exception("decode step failed for %d requests", len(rows))

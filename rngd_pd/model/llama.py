@@ -19,7 +19,8 @@ shape. Measured (torch 2.13, AVX-512 host, 1-8 threads; oneDNN also capped at AV
   runs a smaller step zero-padded to m rows: `Llama._min_rows` measures m per projection at
   `prepare_decode` (here w2: 2, the rest 1), so only a one-row step pays: one padding row in each
   down projection, ~0.3 ms of a 15-23 ms step.
-* Attention: a row attends over the step's longest length L, masked. The QK^T matmul gives a key
+* Attention: a row attends over the longest length L of its group, masked (a step's rows attend per
+  cache, and within a cache in groups by length, `_length_groups`). The QK^T matmul gives a key
   column other bits when it falls in the partial last column block, and the softmax other bits
   below 16 keys (its vector width); so L is rounded up to a multiple of 16 (`_attention_length`,
   zero keys past a short cache's end). The batched matmuls and the softmax do not depend on the
@@ -60,6 +61,7 @@ _PACK_ROWS = 16  # the batch width oneDNN packs the decode weights for (1..16 me
 _CHECK_ROWS = 16  # row counts 1..16 are checked for batch invariance at prepare_decode
 _CHECK_OUTPUTS = 1 << 16  # outputs compared per projection and row count (see Llama._min_rows)
 _ATTN_BLOCK = 16  # decode attention lengths are rounded up to a multiple of this (module docstring)
+_SPLIT_KEYS = 256  # decode rows attend in groups by length only past this many keys (_length_groups)
 
 
 def _packable(dtype: torch.dtype) -> bool:
@@ -303,41 +305,136 @@ class Llama(nn.Module):
         `decode_rows[name]` rows runs on zero-padded rows; attention runs over the longest row
         rounded up to a multiple of 16 positions.
         """
+        return self.decode_step_parts(tokens, positions, [(cache, slots)])
+
+    def decode_step_parts(self, tokens: Tensor, positions: Tensor, parts: list[StepPart]) -> Tensor:
+        """`decode_step` over rows that live in several caches (an engine's sequence buckets).
+
+        parts[i] = (cache, slots) owns the next len(slots) rows of tokens / positions, in order. The
+        projections, norms and the LM head read the weights once for all rows; only the K/V writes
+        and the attention run per part, each over its own longest row. A row gets the same bits as
+        in `decode_step` over its part alone (the attention of a part sees only that part's rows).
+        """
         c = self.config
         if not self._packing_done:
             self.prepare_decode()
         b = int(tokens.shape[0])
-        dev = self.embed.device
         host_pos = positions.cpu()  # the same tensor on cpu
-        pos = host_pos.tolist()
-        sel = _slot_selector(slots.tolist(), b, cache, pos)
-        length = _attention_length(max(pos) + 1)
-        cached = min(length, cache.max_len)  # a cache shorter than that: the rest is zero padding
-        seen = torch.arange(length, device=dev) <= positions[:, None]  # [B, L]: cached positions row b sees
-        bias = torch.zeros(b, 1, 1, length, device=dev).masked_fill_(~seen.view(b, 1, 1, length),
-                                                                     float("-inf"))
-        cos, sin = self._rope(*self.rope.gather(host_pos, max(pos)))  # [B, hd]
+        views = _part_views(parts, positions, host_pos.tolist(), b, self.embed.device)
+        cos, sin = self._rope(*self.rope.gather(host_pos, max(v.max_pos for v in views)))  # [B, hd]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, hd] broadcast over heads
-        groups = c.num_heads // c.num_kv_heads
         rows = self.decode_rows
         x = self.embed_tokens(tokens)  # [B, D]
         for i, layer in enumerate(self.layers):
             qk, v = layer.qkv_heads(x, layer.packed, rows)  # [B, H+KVH, hd], [B, KVH, hd]
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # [B, H, hd], [B, KVH, hd]
-            ck, cv = cache.k[i], cache.v[i]
-            ck[slots, :, positions] = k.to(ck.dtype)
-            cv[slots, :, positions] = v.to(cv.dtype)
-            # K is read transposed: copy its visible rows once (a plain row copy) rather than let
-            # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
-            kk = ck[sel, :, :cached].to(self.dtype).contiguous()  # [B, KVH, L, hd]
-            vv = cv[sel, :, :cached].to(self.dtype)  # a strided view is as fast as a copy here
-            if cached < length:  # (the products with a strided V or a copy of it are the same bits)
-                kk, vv = F.pad(kk, (0, 0, 0, length - cached)), F.pad(vv, (0, 0, 0, length - cached))
-            qg = q.view(b, c.num_kv_heads, groups, c.head_dim)  # the G query heads sharing a KV head
-            o = _attend(qg, kk, vv, bias, c.head_dim**-0.5)  # [B, KVH, G, hd]
+            outs = [self._attend_part(i, view, q[view.rows], k[view.rows], v[view.rows]) for view in views]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, KVH, G, hd]
             x = layer.finish(x, o.reshape(b, -1), layer.packed, rows)
         return self._logits(x, self.head_packed, rows)
+
+    def _attend_part(self, layer: int, p: _PartView, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write one part's new K/V into its cache and attend its rows: q [n, H, hd] -> [n, KVH, G, hd]."""
+        c = self.config
+        ck, cv = p.cache.k[layer], p.cache.v[layer]
+        ck[p.slots, :, p.positions] = k.to(ck.dtype)
+        cv[p.slots, :, p.positions] = v.to(cv.dtype)
+        n = q.shape[0]
+        qg = q.view(n, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)  # G heads per KV head
+        if len(p.groups) == 1:
+            return self._attend_group(ck, cv, p.groups[0], qg)
+        out = torch.empty_like(qg)
+        for g in p.groups:
+            out[g.index] = self._attend_group(ck, cv, g, qg[g.index])
+        return out
+
+    def _attend_group(self, ck: Tensor, cv: Tensor, g: _AttnGroup, qg: Tensor) -> Tensor:
+        # K is read transposed: copy its visible rows once (a plain row copy) rather than let
+        # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
+        kk = ck[g.sel, :, : g.cached].to(self.dtype).contiguous()  # [n, KVH, L, hd]
+        vv = cv[g.sel, :, : g.cached].to(self.dtype)  # a strided view is as fast as a copy here
+        if g.cached < g.length:  # (the products with a strided V or a copy of it are the same bits)
+            pad = g.length - g.cached
+            kk, vv = F.pad(kk, (0, 0, 0, pad)), F.pad(vv, (0, 0, 0, pad))
+        return _attend(qg, kk, vv, g.bias, self.config.head_dim**-0.5)
+
+
+StepPart = tuple[KVCache, Tensor]
+"""(cache, slots [n]): the rows of one decode step that live in one cache."""
+
+
+class _AttnGroup:
+    """Rows of one part that attend together, over their own longest row rounded up (`length`)."""
+
+    def __init__(self, cache: KVCache, index: list[int] | None, slots: list[int], pos: list[int],
+                 positions: Tensor, device: torch.device) -> None:
+        self.index = None if index is None else torch.tensor(index, device=device)  # None: every row
+        if index is not None:
+            slots, pos, positions = [slots[i] for i in index], [pos[i] for i in index], positions[self.index]
+        n = len(pos)
+        self.sel = _slot_selector(slots, n, cache, pos)
+        self.length = _attention_length(max(pos) + 1)
+        self.cached = min(self.length, cache.max_len)  # a cache shorter than that: the rest is zeros
+        seen = torch.arange(self.length, device=device) <= positions[:, None]  # [n, L] cached, visible
+        self.bias = torch.zeros(n, 1, 1, self.length, device=device).masked_fill_(
+            ~seen.view(n, 1, 1, self.length), float("-inf"))
+
+
+class _PartView:
+    """One part of a decode step, checked: its rows, and their attention groups by length."""
+
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, pos: list[int], start: int,
+                 device: torch.device) -> None:
+        n = len(pos)
+        self.cache, self.slots, self.positions = cache, slots, positions
+        self.rows = slice(start, start + n)
+        host_slots = slots.tolist()
+        _slot_selector(host_slots, n, cache, pos)
+        self.max_pos = max(pos)
+        self.groups = [_AttnGroup(cache, index, host_slots, pos, positions, device)
+                       for index in _length_groups(pos)]
+
+
+def _length_groups(pos: list[int]) -> list[list[int] | None]:
+    """Rows that attend together: a row whose keys are under half the longest's attends in a group of
+    its own kind, so a short row does not read (and mask) the long row's keys; [None] = one group.
+
+    The longest first; a group takes every row down to half its length. Below _SPLIT_KEYS keys a
+    second group costs more calls than the keys it saves. A row's bits do not depend on the length it
+    attends over (module docstring), so grouping changes no logits.
+    """
+    lengths = [_attention_length(p + 1) for p in pos]
+    if max(lengths) < _SPLIT_KEYS or min(lengths) * 2 > max(lengths):
+        return [None]
+    groups: list[list[int] | None] = []
+    order = sorted(range(len(pos)), key=lambda i: -lengths[i])
+    while order:
+        top = lengths[order[0]]
+        short = (j for j, i in enumerate(order) if top >= _SPLIT_KEYS and lengths[i] * 2 <= top)
+        cut = next(short, len(order))
+        groups.append(sorted(order[:cut]))
+        order = order[cut:]
+    return groups
+
+
+def _part_views(parts: list[StepPart], positions: Tensor, pos: list[int], b: int,
+                device: torch.device) -> list[_PartView]:
+    """The parts of a step as views of its rows; ConfigError when their slots do not cover the rows."""
+    if not parts:
+        raise ConfigError("decode_step needs at least one row")
+    views, start = [], 0
+    for cache, slots in parts:
+        n = int(slots.shape[0])
+        if n < 1 or start + n > b:
+            sizes = [int(s.shape[0]) for _, s in parts]
+            raise ConfigError(f"decode_step got {b} tokens but parts of {sizes} slots")
+        views.append(_PartView(cache, slots, positions[start : start + n], pos[start : start + n], start,
+                               device))
+        start += n
+    if start != b:
+        raise ConfigError(f"decode_step got {b} tokens, {len(pos)} positions and {start} slots")
+    return views
 
 
 def _attention_length(n: int) -> int:

@@ -52,6 +52,7 @@ from rngd_pd.devices.runtime import (
     OnLayer,
     past_buckets,
     plan_buckets,
+    step_parts_in_turn,
 )
 from rngd_pd.errors import ConfigError, RngdPdError
 from rngd_pd.host.children import killed_with_parent
@@ -325,6 +326,9 @@ class RngdRuntime:
     def decode_step(self, tokens: Any, positions: Any, cache: Any, slots: Any) -> Any:
         _, out = self.worker.call("decode", [tokens, positions, slots], cache=cache.id)
         return out[0].float()
+
+    def decode_step_parts(self, tokens: Any, positions: Any, parts: Sequence[tuple[Any, Any]]) -> Any:
+        return step_parts_in_turn(self, tokens, positions, parts)  # a graph per bucket shape
 
     def to_host(self, tensor: Any) -> Any:
         return tensor  # the worker's results arrive on the host already

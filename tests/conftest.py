@@ -1,10 +1,15 @@
-"""Shared fixtures (session-scoped so the model loads once per test run)."""
+"""Shared fixtures (session-scoped so the model loads once per test run), and CI's rule on skips:
+under CI=true a skip outside the allow-list of tests/skips.py fails (docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+
+from rngd_pd.config.env import CI
+from tests import skips
 
 # Servers that tests start compute in fp32 (the served default `auto` is bf16 on CPUs with native bf16):
 # the references they are compared with (ColocatedEngine in-process, transformers) are fp32, and greedy
@@ -40,8 +45,8 @@ def smollm(engine_model):
 def hf_smollm():
     """The transformers oracle on the same GGUF, fp32 (transformers is a test dependency only)."""
     import torch
+    import transformers  # a test dependency (make setup), imported where the oracle is first needed
 
-    transformers = pytest.importorskip("transformers")
     from rngd_pd.model import embedded_model_path
 
     path = embedded_model_path()
@@ -53,8 +58,52 @@ def hf_smollm():
 @pytest.fixture(scope="session")
 def hf_smollm_tokenizer():
     """transformers' tokenizer converted from the same GGUF (the tokenizer oracle)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from rngd_pd.model import embedded_model_path
 
     path = embedded_model_path()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+# ---------------------------------------------------------------- CI: no skip outside the allow-list
+
+_ACCEPTED = pytest.StashKey[list[tuple[str, str]]]()
+
+
+def _judge(config: pytest.Config, report: pytest.TestReport | pytest.CollectReport) -> None:
+    """In CI, a skipped report outside the allow-list becomes a failure that says why; an allowed one
+    is remembered for the summary."""
+    if not report.skipped or hasattr(report, "wasxfail") or not CI.get():
+        return
+    reason = skips.skip_reason(report)
+    why = skips.allowed(reason)
+    if why is not None:
+        config.stash.setdefault(_ACCEPTED, []).append((report.nodeid, f"{why}: {reason}"))
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped in CI (CI=true) for a reason outside the allow-list of tests/skips.py: "
+                       f"{reason}\n(install what it needs through `make`, or fix the test; a new allowed "
+                       "reason needs its justification there)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    _judge(item.config, outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _judge(collector.config, outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """Under CI=true, what the allow-list let skip (each test and its reason), even when nothing did."""
+    if CI.get():
+        accepted = config.stash.get(_ACCEPTED, [])
+        terminalreporter.section(f"CI skip allow-list (tests/skips.py): {len(accepted)} skipped")
+        for nodeid, reason in accepted:
+            terminalreporter.write_line(f"{nodeid}: {reason}")

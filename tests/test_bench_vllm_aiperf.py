@@ -267,10 +267,7 @@ def test_plot_has_a_panel_per_shape(tmp_path: Path) -> None:
 def gguf() -> Path:
     from bench.peers.hf_server import embedded_gguf
 
-    try:
-        return embedded_gguf()
-    except FileNotFoundError as e:  # the embedded model package is part of `make setup`
-        pytest.skip(f"embedded GGUF not installed: {e}")
+    return embedded_gguf()  # the embedded model package is part of `make setup`
 
 
 @pytest.mark.slow

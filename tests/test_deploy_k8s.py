@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -126,8 +127,6 @@ def test_output_is_deterministic() -> None:
 
 def test_rendered_sweep_validates() -> None:
     """The whole matrix, site variables filled in, against the Kubernetes schemas (strict)."""
-    kubernetes_validate = pytest.importorskip("kubernetes_validate",
-                                              reason="kubernetes-validate is not installed (test extras)")
     text = render.render(gen_sweep.dump(gen_sweep.matrix()), SITE)
     assert "${" not in text
     docs = [d for d in yaml.safe_load_all(text) if d]

@@ -19,6 +19,7 @@ from rngd_pd.devices.binding import runtime_for
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.errors import DeviceUnavailableError
+from tests import skips
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,7 @@ def test_a_model_configured_for_a_missing_device_fails_to_load_naming_it(kind, m
     from rngd_pd.stubs.serving import PrefillParams
 
     if kind == "cuda" and torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+        pytest.skip(skips.GPU_PRESENT)
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded although its device is missing")
@@ -225,7 +226,7 @@ def test_cuda_conformance_against_the_cpu_oracle() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch (torch.cuda.is_available() is False)")
+        pytest.skip(f"{skips.NO_GPU} (torch.cuda.is_available() is False)")
     out = _conformance("cuda", "--chunks", "16,128", "--decode", "1x64,4x256", "--steps", "8")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "cuda conforms" in out.stdout
@@ -253,12 +254,12 @@ def test_devices_lists_environments_and_which_configs_load(capsys) -> None:
         assert not configs["cuda"]["loads"] and "CUDA" in configs["cuda"]["why_not"]
 
 
+@pytest.mark.rngd
 @pytest.mark.slow
 def test_rngd_compile_only_conformance_takes_every_graph_through_the_furiosa_compiler() -> None:
     from rngd_pd.devices.rngd.runtime import rngd_python
 
-    if rngd_python() is None:
-        pytest.skip("needs the FuriosaAI environment: run `make rngd-env`")
+    assert rngd_python() is not None, "needs the FuriosaAI environment: run `make rngd-env`"
     out = _conformance("rngd", "--compile-only", "--chunks", "16", "--decode", "1x32")
     assert out.returncode == 0, out.stdout + out.stderr
     for graph in ("prefill_layer", "prefill_head", "decode_layer", "decode_head"):

@@ -10,6 +10,7 @@ import pytest
 from rngd_pd.devices import ATOM, RNGD, probe_devices, select_device
 from rngd_pd.devices.allocation import allocated_ordinal, checkpoint_devices, resolve_ordinal, visible_cards
 from rngd_pd.errors import DeviceUnavailableError
+from tests import skips
 
 RES = RNGD.resource
 
@@ -45,7 +46,7 @@ def test_cuda_absent_is_a_clear_error() -> None:
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+        pytest.skip(skips.GPU_PRESENT)
     with pytest.raises(DeviceUnavailableError, match=r"no CUDA device.*model-config-name cpu"):
         select_device("cuda", 0)
 

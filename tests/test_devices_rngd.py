@@ -355,6 +355,7 @@ def _conformance(*args, timeout=3000):
     return [line.split() for line in proc.stdout.splitlines() if line.startswith(("  prefill_", "  decode_"))]
 
 
+@pytest.mark.rngd
 @pytest.mark.slow
 @pytest.mark.timeout(6000)
 def test_rngd_compile_only_conformance():
@@ -452,13 +453,16 @@ def test_smi_reads_each_field_on_its_own_and_names_what_failed():
     assert smi_lines({"error": "not usable"}) == ["rngd cards (furiosa-smi): not usable"]
 
 
-def test_smi_snapshot_runs_the_real_furiosa_smi(tmp_path):
-    """furiosa-smi 2026.4.0 in .venv-rngd, here without a card or driver: no device, the driver's
-    absence said; without the environment, the fix named."""
+def test_smi_snapshot_without_the_environment_names_the_fix(tmp_path):
     missing = rngd.smi_snapshot({RNGD_PD_RNGD_VENV.name: str(tmp_path / "absent")})
     assert missing["devices"] == [] and "make rngd-env" in missing["error"]
-    if rngd_envs.rngd_python() is None:
-        pytest.skip("needs .venv-rngd: run `make rngd-env`")
+
+
+@pytest.mark.rngd
+def test_smi_snapshot_runs_the_real_furiosa_smi():
+    """furiosa-smi 2026.4.0 in .venv-rngd, here without a card or driver: no device, the driver's
+    absence said."""
+    assert rngd_envs.rngd_python() is not None, "needs .venv-rngd: run `make rngd-env`"
     smi = rngd.smi_snapshot()
     assert smi["sdk"] == {"furiosa-smi": "2026.4.0"} and not smi["error"], smi
     if not rngd.cards(rngd.RNGD):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
@@ -327,24 +328,30 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
     assert took < cfg.exit_timeout_s, took
 
 
-def _load_gauges(server) -> dict[str, float]:
-    """The endpoint picker's gauges: typed gauge, exactly one unlabelled series each."""
-    from rngd_pd.stubs import metrics
+# The gauges the Helm chart's EPP config tells llm-d's endpoint picker to read (role -> metric name).
+EPP_GAUGES: dict[str, str] = yaml.safe_load(
+    (Path(__file__).resolve().parents[1] / "deploy" / "helm" / "rngd-pd" / "values.yaml").read_text()
+)["epp"]["gauges"]
 
+
+def _load_gauges(server) -> dict[str, float]:
+    """The chart's EPP gauges as this server exports them (by role: queued, running, kvUsage): typed
+    gauge, exactly one unlabelled series each. A name the chart gives that the server does not export
+    fails here."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     out = {}
-    for name in (metrics.REQUESTS_WAITING, metrics.REQUESTS_RUNNING, metrics.KV_USAGE):
+    for role, name in EPP_GAUGES.items():
         assert f"# TYPE {name} gauge" in text, name
         series = [ln for ln in text.splitlines() if ln.split(" ", 1)[0].split("{", 1)[0] == name]
         assert len(series) == 1 and series[0].startswith(name + " "), series
-        out[name] = float(series[0].split()[1])
+        out[role] = float(series[0].split()[1])
     return out
 
 
 def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
-    from rngd_pd.stubs import metrics
-
+    """The gauges the chart's EPP reads, scraped from the running server while 12 requests share 8
+    decode slots."""
     ids = E.prompt_ids(E.PROMPTS[1])
     deadline = time.monotonic() + 30
     while any(_load_gauges(server).values()) and time.monotonic() < deadline:
@@ -355,15 +362,16 @@ def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
                for _ in range(12)]  # 12 decode requests for 8 slots: 4 wait
     for t in threads:
         t.start()
-    peak = dict.fromkeys((metrics.REQUESTS_WAITING, metrics.REQUESTS_RUNNING, metrics.KV_USAGE), 0.0)
+    peak = dict.fromkeys(EPP_GAUGES, 0.0)
+    assert set(peak) == {"queued", "running", "kvUsage"}
     while any(t.is_alive() for t in threads):
         for name, value in _load_gauges(server).items():
             peak[name] = max(peak[name], value)
         time.sleep(0.2)
     for t in threads:
         t.join()
-    assert peak[metrics.REQUESTS_WAITING] >= 1 and 1 <= peak[metrics.REQUESTS_RUNNING] <= 8, peak
-    assert 0 < peak[metrics.KV_USAGE] <= 1.0, peak
+    assert peak["queued"] >= 1 and 1 <= peak["running"] <= 8, peak
+    assert 0 < peak["kvUsage"] <= 1.0, peak
     deadline = time.monotonic() + 10
     while any(_load_gauges(server).values()) and time.monotonic() < deadline:
         time.sleep(0.2)

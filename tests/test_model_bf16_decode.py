@@ -9,6 +9,7 @@ import torch
 from rngd_pd.model import KVCache
 from rngd_pd.model import llama as llama_mod
 from rngd_pd.model.llama import Llama
+from tests import skips
 
 BF16 = torch.bfloat16
 
@@ -34,7 +35,7 @@ def _step_logits(model: Llama, ids: list[list[int]]) -> torch.Tensor:
 
 def test_packed_decode_weights_match_plain(bf16_model, smollm, monkeypatch):
     if not llama_mod._packable(BF16):
-        pytest.skip("this CPU/torch has no oneDNN bf16 linears: decode uses the plain weights")
+        pytest.skip(f"{skips.NO_NATIVE_BF16}: decode uses the plain weights")
     ids = [smollm.tokenizer.encode(t) for t in ("The river ran", "Bread and music at the", "A quiet city")]
     packed = _step_logits(bf16_model, ids)
     assert bf16_model.head_packed is not None and bf16_model.layers[0].packed is not None

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model import load_model
 from rngd_pd.model.generate import greedy
-
-transformers = pytest.importorskip("transformers")
 
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}  # fmt: skip

@@ -6,10 +6,10 @@
         client = grpcclient.InferenceServerClient(server.grpc_url)
 
 It is `rngd_pd.serve.server.TritonServer` (the same launcher `rngd-pd serve` uses) with the log
-written to a file whose tail is attached to any start failure, and a skip (pytest) where no
-tritonserver is installed. The server runs in its own process group and is stopped (SIGTERM, then
-SIGKILL) with every Python stub it started. The repository it serves is laid out with
-rngd_pd.testing.repository (shared with bench/).
+written to a file whose tail is attached to any start failure, and a failure naming `make setup`
+where no tritonserver is installed (it comes with the nvidia-pytriton dependency). The server runs in
+its own process group and is stopped (SIGTERM, then SIGKILL) with every Python stub it started. The
+repository it serves is laid out with rngd_pd.testing.repository (shared with bench/).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ READY_TIMEOUT_S = RNGD_PD_TEST_READY_TIMEOUT.get()
 
 
 def require_tritonserver() -> None:
-    """Skip the calling test when no tritonserver is installed (with the reason)."""
+    """Fail the calling test when no tritonserver is installed, naming what installs it."""
     try:
         find_tritonserver()
     except TritonServerError as exc:
-        pytest.skip(f"tritonserver unavailable: {exc}")
+        pytest.fail(f"tritonserver unavailable: {exc} (`make setup` installs it: nvidia-pytriton)")
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from typing import Any
 from rngd_pd.config.env import AIRM_KV_TRANSPORT, AIRM_METRICS_PORT
 from rngd_pd.config.settings import param_env
 from rngd_pd.errors import ConfigError
-from rngd_pd.kv.registry import known_names, load_transport, transport_class
+from rngd_pd.kv.registry import known_names, load_transport, require_servable, transport_class
 
 __all__ = ["KINDS", "build_command", "known_names", "load_transport", "run"]
 
@@ -96,8 +96,7 @@ def build_command(workload: Any, **config: Any) -> tuple[list[str], dict[str, st
         raise ConfigError(f"unknown workload config key(s) {', '.join(unknown)}; "
                           f"known: {', '.join(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
-    if cfg["kv_transport"] not in known_names():
-        raise ConfigError(f"unknown kv_transport {cfg['kv_transport']!r}; known: {', '.join(known_names())}")
+    require_servable(cfg["kv_transport"])  # ConfigError: unknown, or a transport serving cannot use
     if cfg["role"] is not None:
         if cfg["role"] not in ROLES:
             raise ConfigError(f"unknown role {cfg['role']!r}; known: {', '.join(ROLES)}")

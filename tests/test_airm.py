@@ -103,7 +103,8 @@ def test_role_wins_over_kind_and_keeps_the_other_keys() -> None:
 @pytest.mark.parametrize(("workload", "config", "needle"), [
     ({"kind": "train"}, {}, "unknown workload kind 'train'"),
     ({"kind": "prefill"}, {"seqlen": 5}, "unknown workload config key(s) seqlen"),
-    ({"kind": "prefill"}, {"kv_transport": "pigeon"}, "unknown kv_transport 'pigeon'"),
+    ({"kind": "prefill"}, {"kv_transport": "pigeon"}, "unknown KV transport 'pigeon'; serving takes"),
+    ({"kind": "prefill"}, {"kv_transport": "nixl"}, "'nixl' cannot serve: .* over NIXL with `nixl-ucx`"),
     (None, {"role": "router"}, "unknown role 'router'"),
 ])
 def test_bad_workloads_are_rejected(workload: dict, config: dict, needle: str) -> None:

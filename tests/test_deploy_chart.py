@@ -24,6 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from rngd_pd.kv import registry
+
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "deploy" / "helm" / "rngd-pd" / "tests" / "crds"
 SERVING = ("prefill", "decode", "gateway")
@@ -447,8 +449,15 @@ def test_site_values_only_in_overrides() -> None:
     assert values["airm"]["kvTransport"] == "shm"
 
 
+def test_the_schema_offers_exactly_the_transports_serving_takes() -> None:
+    schema = json.loads((tools.CHART / "values.schema.json").read_text())
+    offered = schema["properties"]["airm"]["properties"]["kvTransport"]["enum"]
+    assert sorted(offered) == registry.serving_names()
+
+
 @pytest.mark.parametrize(("sets", "needle"), [
     (["airm.kvTransport=pigeon"], "kvTransport"),
+    (["airm.kvTransport=nixl"], "kvTransport"),  # a library transport serving refuses
     (["decode.device=tpu"], "device"),
     (["ports.http=0"], "http"),
     (["airm.kvTransport=tcp"], "kvRelay.enabled=true or airm.kvTcpAddr"),

@@ -1,6 +1,7 @@
 """e2e: pd over the tcp relay (started here) and over nixl-ucx: the same greedy tokens as the colocated
 engine, and a relay SIGKILLed mid-transfer fails the requests in flight (each naming the transport,
-none hanging), and new ones succeed once a relay is back.
+none hanging), and new ones succeed once a relay is back. `nixl` (HETERO_NPU, a library transport)
+is refused by the serving models, naming `nixl-ucx`.
 
 Each server holds only prefill, decode and pd (preprocess/postprocess/llm do not depend on the
 transport and are covered by test_e2e_pd.py), which keeps the start-up short on 2 cores.
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rngd_pd.kv.relay.proc import start_relay
+from rngd_pd.serve.server import TritonServerError
 from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
@@ -85,9 +87,20 @@ def test_tcp_relay_tokens_and_relay_killed_mid_transfer(tmp_path: Path) -> None:
         relay.stop()
 
 
+def test_the_nixl_transport_is_refused_by_the_serving_models_naming_nixl_ucx() -> None:
+    """AIRM_KV_TRANSPORT=nixl (as ai-rm sets it): prefill's and decode's loads fail, saying why."""
+    with pytest.raises(TritonServerError) as info, triton_server(
+            E.subset_repository(["prefill", "decode"]), "cpu", {"AIRM_KV_TRANSPORT": "nixl"}, timeout=120):
+        pass
+    message = str(info.value)
+    for model in ("prefill", "decode"):
+        refused = f"failed to load '{model}' version 1: Internal: ConfigError: KV transport 'nixl' cannot"
+        assert refused in message, message[-3000:]
+    assert "serve KV over NIXL with `nixl-ucx`" in message
+
+
 @pytest.mark.nixl
 def test_nixl_ucx_tokens(tmp_path: Path) -> None:
-    pytest.importorskip("nixl", reason="the NIXL wheels (nixl, nixl-cu12) are not installed")
     with start_relay() as relay:
         env = {"AIRM_KV_TRANSPORT": "nixl-ucx", "AIRM_KV_TCP_ADDR": relay.addr, "AIRM_KV_UCX_POOL_MB": "64",
                "UCX_MODULES": "^ib", "RNGD_PD_KV_DEBUG_LOG": str(tmp_path / "kv.jsonl")}

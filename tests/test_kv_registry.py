@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from rngd_pd.errors import ConfigError
 from rngd_pd.kv import registry
 from rngd_pd.kv.fenced import FencedTransport
 from rngd_pd.kv.shm.transport import ShmTransport
@@ -29,6 +30,17 @@ def test_unknown_name_lists_known(monkeypatch):
         registry.load_transport("carrier-pigeon")
     for name in ("shm", "tcp", "nixl-ucx", "nixl"):
         assert name in str(e.value)
+
+
+def test_serving_refuses_nixl_naming_nixl_ucx_and_the_library_keeps_it():
+    assert "nixl" in registry.known_names() and "nixl" not in registry.serving_names()
+    assert {"shm", "tcp", "nixl-ucx"} <= set(registry.serving_names())
+    with pytest.raises(ConfigError, match=r"'nixl' cannot serve: .*serve KV over NIXL with `nixl-ucx`"):
+        registry.require_servable("nixl")
+    with pytest.raises(ConfigError, match=r"unknown KV transport 'pigeon'; serving takes: nixl-ucx, shm, t"):
+        registry.require_servable("pigeon")
+    assert registry.require_servable("nixl-ucx") == "nixl-ucx"
+    assert registry.transport_class("nixl").__name__ == "NixlTransport"  # its own tests still load it
 
 
 def test_default_is_shm_and_env_picks(monkeypatch, tmp_path):

@@ -67,15 +67,19 @@ def test_config_choice_follows_devices(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_exit_2_with_reason(tmp_path: Path) -> None:
+    nixl = "KV transport 'nixl' cannot serve: it copies only between allocations its caller binds first"
     cases = [
-        (["--role", "gateway"], "--role gateway needs --prefill-url and --decode-url"),
-        (["--kv-transport", "pigeon"], "unknown --kv-transport 'pigeon'; known:"),
-        (["--model", str(tmp_path / "nope.gguf")], "nope.gguf does not exist"),
+        (["--role", "gateway"], {}, "--role gateway needs --prefill-url and --decode-url"),
+        (["--kv-transport", "pigeon"], {}, "unknown KV transport 'pigeon'; serving takes: nixl-ucx, shm,"),
+        (["--kv-transport", "nixl"], {}, nixl),
+        ([], {"AIRM_KV_TRANSPORT": "nixl"}, nixl),  # the variable ai-rm sets, refused as the flag is
+        (["--model", str(tmp_path / "nope.gguf")], {}, "nope.gguf does not exist"),
     ]
-    for extra, needle in cases:
+    for extra, env, needle in cases:
         proc = subprocess.run([*RNGD_PD, "serve", "--repository", str(tmp_path), *extra],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=60, env={**os.environ, **env})
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert "nixl-ucx" in proc.stderr or needle != nixl, proc.stderr
 
 
 @pytest.mark.slow

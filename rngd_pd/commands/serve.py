@@ -37,8 +37,9 @@ from rngd_pd.config.env import (
 )
 from rngd_pd.config.settings import param_env
 from rngd_pd.devices import probe_devices
+from rngd_pd.errors import ConfigError
 from rngd_pd.host.stubs import Failure, StubWatch
-from rngd_pd.kv.registry import known_names
+from rngd_pd.kv.registry import require_servable
 from rngd_pd.serve.server import (
     SHOWN_ENV,
     ServerConfig,
@@ -166,8 +167,10 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return "--max-restarts must be >= 0 and --restart-window > 0"
     if args.hang_timeout < 0:
         return "--hang-timeout must be >= 0 (0 = off)"
-    if args.kv_transport and args.kv_transport not in known_names():
-        return f"unknown --kv-transport {args.kv_transport!r}; known: {', '.join(known_names())}"
+    try:
+        require_servable(args.kv_transport or AIRM_KV_TRANSPORT.get())
+    except ConfigError as exc:
+        return f"--kv-transport (or ${AIRM_KV_TRANSPORT.name}): {exc}"
     return None
 
 

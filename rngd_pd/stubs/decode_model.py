@@ -35,7 +35,7 @@ from rngd_pd.stubs import pbutils
 from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop
-from rngd_pd.stubs.serving import DecodeParams, getter, model_params, transport_for
+from rngd_pd.stubs.serving import DecodeParams, getter, transport_for, transport_params
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 
@@ -178,7 +178,7 @@ class DecodeModel:
     queue them."""
 
     def initialize(self, args: dict) -> None:
-        p = model_params(DecodeParams, args)
+        p = transport_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
         self.service = DecodeService(load_for(p, args, "decode"), transport_for(p), p.kv_dtype,

@@ -18,7 +18,7 @@ from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.stubs import pbutils
 from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
-from rngd_pd.stubs.serving import PrefillParams, getter, model_params, transport_for
+from rngd_pd.stubs.serving import PrefillParams, getter, transport_for, transport_params
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 
@@ -53,7 +53,7 @@ class PrefillModel:
     """Triton adapter: one response per request (not decoupled)."""
 
     def initialize(self, args: dict) -> None:
-        p = model_params(PrefillParams, args)
+        p = transport_params(PrefillParams, args)
         self.transport_name = p.kv_transport
         self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
                                       p.chunk_size, p.max_len, **p.prefix_kwargs())

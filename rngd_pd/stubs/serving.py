@@ -22,6 +22,7 @@ from rngd_pd.config.params import (
 )
 from rngd_pd.host.children import exit_when_orphaned
 from rngd_pd.kv import Transport, load_transport
+from rngd_pd.kv.registry import require_servable
 from rngd_pd.stubs import pbutils
 
 
@@ -96,6 +97,14 @@ def model_params(cls: type, args: Mapping[str, Any]) -> Any:
     exit_when_orphaned()
     params = parse_params(cls, args["model_config"])
     pbutils.log(f"{args.get('model_name', '?')} ({args.get('model_instance_name', '?')}): {describe(params)}")
+    return params
+
+
+def transport_params(cls: type, args: Mapping[str, Any]) -> Any:
+    """`model_params` for a model that hands KV over (prefill, decode): a transport serving refuses
+    (`rngd_pd.kv.registry.require_servable`) fails the load here, before any weights are read."""
+    params = model_params(cls, args)
+    require_servable(params.kv_transport)
     return params
 
 

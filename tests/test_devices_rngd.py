@@ -276,7 +276,7 @@ def smollm_bf16():
     return load_model(None, dtype=torch.bfloat16, progress=False)
 
 
-# ---------------------------------------------------------------- make test's RNGD setup and compile check
+# ---------------------------------------------------------------- make test-rngd's setup and compile check
 
 
 def _fake_bin(tmp_path, name, script):
@@ -359,7 +359,7 @@ def _conformance(*args, timeout=3000):
 @pytest.mark.slow
 @pytest.mark.timeout(6000)
 def test_rngd_compile_only_conformance():
-    """What `make test` checks of the RNGD compiler (docs/devices-rngd.md, "In CI"): every graph the
+    """What `make test-rngd` checks of the RNGD compiler (docs/devices-rngd.md, "In CI"): every graph the
     model repository's RNGD configs need (prefill/config.pbtxt, decode/configs/rngd.pbtxt: per shape
     a layer graph and a head graph, and prefill's layer after each past bucket) through furiosa's
     decompositions and DFG import; and the configured graphs through all 12 compiler stages to the

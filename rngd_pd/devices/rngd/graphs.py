@@ -360,7 +360,7 @@ def toolchain_missing(path: str | None = None) -> str | None:
 
 def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
                      out: Any = None) -> int:
-    """`make test`'s toolchain step: 0 when `aarch64-linux-gnu-gcc` and its libc headers work (after
+    """`make test-rngd`'s toolchain step: 0 when `aarch64-linux-gnu-gcc` and its libc headers work (after
     installing them with apt-get when `install`, missing and root), else 1 with the exact command
     to run. Never a silent skip: the message says what is missing and how to get it."""
     env = dict(os.environ if env is None else env)
@@ -387,7 +387,7 @@ def ensure_toolchain(install: bool = True, env: dict[str, str] | None = None,
     why = ("not root" if os.geteuid() != 0 else "no apt-get on PATH" if not apt else "still missing")
     print(f"rngd toolchain: FAILED ({why}): {missing}\n"
           f"rngd toolchain: run as root: {TOOLCHAIN_INSTALL}\n"
-          f"rngd toolchain: (or: sudo sh -c '{TOOLCHAIN_INSTALL}'), then `make test` again",
+          f"rngd toolchain: (or: sudo sh -c '{TOOLCHAIN_INSTALL}'), then `make test-rngd` again",
           file=out, flush=True)
     return 1
 

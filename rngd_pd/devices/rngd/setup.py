@@ -6,7 +6,7 @@ nvidia libraries that libtorch_python.so links, so they cannot be left out). pip
 go holds every downloaded wheel (3.5 GB) beside the growing venv; installing the resolved packages one
 by one (`--no-deps --no-cache-dir`) holds at most the largest wheel. A disk without room for it is
 reported before anything is written, with exit code 3 and a marker file (`<venv>.no-room`) that says
-why, so `make test` can go on without the RNGD compile check and that test can say why it skipped.
+why, so the RNGD compile test can say why it cannot run (a failure in CI).
 
     .venv/bin/python -m rngd_pd.devices.rngd.setup .venv-rngd
 """

@@ -1,7 +1,8 @@
 """GGUF checkpoints: config, dequantized weights (Hugging Face names) and tokenizer from one file.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k for its interleaved RoPE; we undo that so
-the weights are exactly the Hugging Face ones (rotate-half RoPE) and match transformers.
+the weights are exactly the Hugging Face ones (rotate-half RoPE) and match transformers. The file is
+read by rngd_pd.model.gguf_file (metadata in one struct pass; gguf's reader takes seconds per open).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig
+from rngd_pd.model.gguf_file import GGUFFile
 from rngd_pd.model.tokenizer import Tokenizer, tokenizer_from_gguf
 
 _LAYER = {
@@ -55,7 +57,7 @@ class GGUFCheckpoint:
         self.path = path
         self.files = [path]
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.reader = GGUFFile(path)
         except Exception as e:  # the reader raises ValueError/struct/IndexError on bad bytes
             raise ModelLoadError(
                 f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); re-download or re-convert it"
@@ -73,8 +75,7 @@ class GGUFCheckpoint:
         return sum(1 for n in self.tensors if hf_name(n))
 
     def meta(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        return default if f is None else f.contents()
+        return self.fields.get(key, default)
 
     def _arch(self, key: str, default: Any = None) -> Any:
         return self.meta(f"{self.arch}.{key}", default)

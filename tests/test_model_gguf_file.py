@@ -1,5 +1,6 @@
-"""rngd_pd.model.gguf_file against gguf's own GGUFReader (the reference) on the embedded model: every
-metadata value and every tensor's type, shape, dtype and bytes; bad files refused."""
+"""rngd_pd.model.gguf_file against gguf's own GGUFReader and dequantize (the references) on the embedded
+model: every metadata value, every tensor's type, shape, dtype and bytes, every dequantized value;
+bad files refused."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from rngd_pd.model import embedded_model_path
-from rngd_pd.model.gguf_file import GGUFFile
+from rngd_pd.model import embedded_model_path, gguf_file
+from rngd_pd.model.gguf_file import GGUFFile, dequantize
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,20 @@ def test_bad_files_are_refused(tmp_path) -> None:
     (tmp_path / "cut.gguf").write_bytes(data[:1 << 20])  # cut inside the vocabulary
     with pytest.raises(ValueError, match="ends inside its metadata"):
         GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_dequantize_gives_ggufs_bits(pair) -> None:
+    """Every tensor of the embedded model (Q4_1, Q8_0, F32), and formats it lacks quantized here, in
+    steps small enough that a tensor takes several."""
+    ours, _ = pair
+    for t in ours.tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(dequantize(t.data, t.tensor_type), want, equal_nan=True), t.name
+    values = np.random.default_rng(0).standard_normal((300, 256), dtype=np.float32)
+    for kind in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q5_1,
+                 gguf.GGMLQuantizationType.BF16):
+        data = gguf.quants.quantize(values, kind)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gguf_file, "DEQUANT_VALUES", 1000)  # 3 rows a step: 100 steps
+            got = dequantize(data, kind)
+        assert got.shape == values.shape and np.array_equal(got, gguf.quants.dequantize(data, kind)), kind

@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model.config import ModelConfig
-from rngd_pd.model.gguf_file import GGUFFile
+from rngd_pd.model.gguf_file import GGUFFile, dequantize
 from rngd_pd.model.tokenizer import Tokenizer, tokenizer_from_gguf
 
 _LAYER = {
@@ -116,7 +115,7 @@ class GGUFCheckpoint:
     def _array(self, name: str) -> np.ndarray:
         t = self.tensors[name]
         try:
-            return gguf.quants.dequantize(t.data, t.tensor_type)
+            return dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"{self.path}: tensor {name} cannot be dequantized ({e})") from e
 

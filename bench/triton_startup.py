@@ -4,13 +4,16 @@
                                               [--runs 1] [--json]
 
 Starts the server exactly as `rngd-pd serve` does (rngd_pd.serve.server), waits for /v2/health/ready,
-stops it, and reads "loading: NAME:1" / "successfully loaded 'NAME'" timestamps from the log.
+stops it, and reads "loading: NAME:1" / "successfully loaded 'NAME'" timestamps from the log. It also
+sums the CPU seconds tritonserver and its stubs spent until ready (/proc): unlike the wall time, that
+figure hardly moves with the host's load, so a start-up change can be judged on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -42,6 +45,22 @@ def model_load_times(log: str) -> dict[str, float]:
     return took
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process `root` and its descendants (and their reaped children)."""
+    procs: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            procs[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+    tree = {root}
+    while grown := {pid for pid, (ppid, _) in procs.items() if ppid in tree} - tree:
+        tree |= grown
+    return sum(procs[pid][1] for pid in tree if pid in procs) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(repository: Path, config_name: str | None, timeout: float) -> dict:
     """One start: seconds to ready and per-model load seconds."""
     log = Path(tempfile.mkdtemp(prefix="rngd-pd-startup-")) / "tritonserver.log"
@@ -52,9 +71,11 @@ def measure(repository: Path, config_name: str | None, timeout: float) -> dict:
     try:
         server.wait_ready(timeout)
         ready_s = time.monotonic() - t0
+        cpu_s = tree_cpu_seconds(server.proc.pid)
     finally:
         server.stop()
-    return {"start_to_ready_s": round(ready_s, 2),
+    return {"start_to_ready_s": round(ready_s, 2), "cpu_s_to_ready": round(cpu_s, 1),
+            "load_avg_1m": round(os.getloadavg()[0], 1),
             "models_s": {k: round(v, 2) for k, v in sorted(model_load_times(log.read_text()).items())}}
 
 
@@ -72,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
             continue
-        print(f"run {run}: start to ready {row['start_to_ready_s']:.1f} s (config {args.config_name})")
+        print(f"run {run}: start to ready {row['start_to_ready_s']:.1f} s, {row['cpu_s_to_ready']:.1f} CPU s "
+              f"(tritonserver + stubs; config {args.config_name}, load {row['load_avg_1m']})")
         for name, secs in row["models_s"].items():
             print(f"  {name:12} {secs:7.1f} s")
     return 0

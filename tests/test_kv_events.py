@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import struct
+import tempfile
 import threading
 import time
 
@@ -25,6 +26,7 @@ from rngd_pd.engine.kv_events.publisher import END_SEQ, ZmqPublisher, offset_end
 from rngd_pd.engine.kv_events.subscriber import Subscriber
 from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.errors import ConfigError
+from rngd_pd.testing.kv_router import EventRouter
 
 # ---- the block hash, from its definition -------------------------------------------------------
 
@@ -290,8 +292,6 @@ def test_replay_protocol_frames_are_vllms(endpoints) -> None:
 
 
 def test_ipc_endpoints_are_bound() -> None:
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         pub = ZmqPublisher(cfgmod.parse({"enable_kv_cache_events": True, "endpoint": f"ipc://{d}/ev"}))
         sub = Subscriber(f"ipc://{d}/ev")
@@ -300,3 +300,19 @@ def test_ipc_endpoints_are_bound() -> None:
         finally:
             sub.close()
             pub.close()
+
+
+# ---- the event-scored router (the benches' stand-in for llm-d's precise prefix-cache scorer) -------
+
+
+def test_router_scores_pods_by_the_longest_published_prefix() -> None:
+    router = EventRouter({"a": None, "b": None}, block_size=4, seed_env={})  # type: ignore[dict-item]
+    prompt = list(range(20))  # 5 blocks
+    h = _vllm_hashes(prompt, 4)
+    router.pods["a"].apply(messages.batch([messages.stored(h[:2], None, prompt[:8], 4)]))
+    router.pods["b"].apply(messages.batch([messages.stored(h[:4], None, prompt[:16], 4),
+                                           messages.removed([h[1]])]))
+    assert router.scores(prompt) == {"a": 2, "b": 1}  # b lost block 1: its blocks 2, 3 no longer count
+    router.pods["a"].apply(messages.batch([messages.AllBlocksCleared()]))
+    assert router.scores(prompt) == {"a": 0, "b": 1}
+    assert router.scores([7] * 20) == {"a": 0, "b": 0}

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from rngd_pd.engine.kv_events import hashing, messages
 from rngd_pd.engine.kv_events.publisher import EventSink
@@ -51,6 +52,17 @@ class PrefixStats:
     def hit_rate(self) -> float:
         """Prompt tokens served from the cache over prompt tokens looked up (0 before any)."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+def _runs(numbers: Sequence[int]) -> list[list[int]]:
+    """Consecutive runs of increasing block numbers ([0, 1, 2, 5, 6] -> [[0, 1, 2], [5, 6]])."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
 
 
 class PrefixCache:
@@ -100,12 +112,15 @@ class PrefixCache:
         return len(found) * self.block, [t for _, t in found]
 
     def fill(self, blocks: Sequence[Any], kv: KVList) -> None:
-        """Copy cached blocks into positions [0, len(blocks) * block) of per-layer buffers."""
-        b = self.block
-        for n, tensor in enumerate(blocks):
-            for layer, (k, v) in enumerate(kv):
-                k[:, n * b:(n + 1) * b].copy_(tensor[layer, 0])
-                v[:, n * b:(n + 1) * b].copy_(tensor[layer, 1])
+        """Copy cached blocks into positions [0, len(blocks) * block) of per-layer buffers: one
+        concatenation per layer and K/V straight into the buffer (a copy per block and layer cost
+        ~2 ms per 16-token block of a 30-layer model in Python overhead alone)."""
+        if not blocks:
+            return
+        end = len(blocks) * self.block
+        for layer, (k, v) in enumerate(kv):
+            torch.cat([t[layer, 0] for t in blocks], dim=1, out=k[:, :end])
+            torch.cat([t[layer, 1] for t in blocks], dim=1, out=v[:, :end])
 
     def insert(self, ids: np.ndarray, kv: KVList, cached_tokens: int = 0,
                names: Sequence[bytes] | None = None) -> int:
@@ -118,14 +133,8 @@ class PrefixCache:
         with self._lock:
             todo = [(n, name) for n, name in enumerate(names) if n >= first and name not in self._blocks]
         todo = todo[:self.max_blocks]
-        added = []
-        b = self.block
-        for n, name in todo:  # copied outside the lock
-            tensor = self.runtime.empty(self.shape, self.kv_dtype)
-            for layer, (k, v) in enumerate(kv):
-                tensor[layer, 0].copy_(k[:, n * b:(n + 1) * b])
-                tensor[layer, 1].copy_(v[:, n * b:(n + 1) * b])
-            added.append((n, name, tensor))
+        tensors = self._copy_out(kv, [n for n, _ in todo])
+        added = [(n, name, tensor) for (n, name), tensor in zip(todo, tensors, strict=True)]
         with self._lock:
             stored = []
             for n, name, tensor in added:
@@ -143,16 +152,26 @@ class PrefixCache:
                           ([messages.removed([hashing.external(h) for h in evicted])] if evicted else []))
         return len(stored)
 
+    def _copy_out(self, kv: KVList, numbers: list[int]) -> list[Any]:
+        """One tensor per block `numbers` of `kv` (outside the lock): per run of consecutive blocks,
+        one copy per layer and K/V into a staging tensor, then a clone per block (each block owns its
+        memory, so evicting one frees it)."""
+        out, b = [], self.block
+        for run in _runs(numbers):
+            m, start = len(run), run[0] * b
+            heads, dim = self.shape[2], self.shape[4]
+            staging = self.runtime.empty((m, *self.shape), self.kv_dtype)
+            for layer, (k, v) in enumerate(kv):  # [H, m*b, D] -> [m, H, b, D]
+                for kind, src in ((0, k), (1, v)):
+                    run_kv = src[:, start:start + m * b].reshape(heads, m, b, dim)
+                    staging[:, layer, kind].copy_(run_kv.transpose(0, 1))
+            out.extend(t.clone() for t in staging.unbind(0))
+        return out
+
     def _stored_events(self, ids: np.ndarray, names: Sequence[bytes], stored: list[int]) -> list:
         """One BlockStored per run of consecutive new blocks, with the block before it as parent."""
         events, b = [], self.block
-        runs: list[list[int]] = []
-        for n in stored:
-            if runs and runs[-1][-1] == n - 1:
-                runs[-1].append(n)
-            else:
-                runs.append([n])
-        for run in runs:
+        for run in _runs(stored):
             parent = hashing.external(names[run[0] - 1]) if run[0] else None
             tokens = np.asarray(ids[run[0] * b:(run[-1] + 1) * b]).tolist()
             events.append(messages.stored([hashing.external(names[n]) for n in run], parent, tokens, b))

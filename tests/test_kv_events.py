@@ -6,6 +6,7 @@ own classes, is tests/test_kv_events_vllm.py."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import socket
 import struct
@@ -19,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from rngd_pd.commands import serve
 from rngd_pd.config import kv_events as cfgmod
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.kv_events import hashing, messages
@@ -98,6 +100,15 @@ def test_config_has_vllms_keys_defaults_and_publisher_rule() -> None:
                        ('{"endpoint": "localhost:5557"}', "must start with"), ("{", "not JSON")):
         with pytest.raises(ConfigError, match=match):
             cfgmod.parse(bad)
+
+
+def test_serve_passes_the_flag_to_the_models_as_the_variable() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    text = '{"enable_kv_cache_events": true, "topic": "kv@pod@m"}'
+    env = serve.model_env(parser.parse_args(["--kv-events-config", text]))
+    assert env["RNGD_PD_KV_EVENTS_CONFIG"] == text
+    assert "RNGD_PD_KV_EVENTS_CONFIG" not in serve.model_env(parser.parse_args([]))
 
 
 def test_bind_or_connect_follows_vllms_rule() -> None:

@@ -71,6 +71,8 @@ def test_bad_arguments_exit_2_with_reason(tmp_path: Path) -> None:
         (["--role", "gateway"], "--role gateway needs --prefill-url and --decode-url"),
         (["--kv-transport", "pigeon"], "unknown --kv-transport 'pigeon'; known:"),
         (["--model", str(tmp_path / "nope.gguf")], "nope.gguf does not exist"),
+        (["--kv-events-config", '{"enable_kv_events": true}'],
+         "--kv-events-config: unknown key(s) enable_kv_events; known: enable_kv_cache_events"),
     ]
     for extra, needle in cases:
         proc = subprocess.run([*RNGD_PD, "serve", "--repository", str(tmp_path), *extra],

@@ -6,7 +6,8 @@ Checked: every batch the server published decodes with vLLM's KVEventBatch, with
 0, 1, 2, ... and no gap; the batches published before the subscriber existed came from the replay
 socket; the first batch is AllBlocksCleared (the cache started); after each prompt is prefilled, the
 published block hashes, parents and tokens equal vLLM's hash_block_tokens(sha256_cbor, ...) of the same
-tokens and block size; LRU eviction is published as BlockRemoved of blocks stored before.
+tokens and block size; LRU eviction is published as BlockRemoved of blocks stored before; the server's
+counter of published batches equals what arrived, and none was dropped.
 
 Needs the vLLM environment (several GB): `make test-vllm` builds it (bench/peers/vllm.py install) and
 runs this file; `make test` deselects the `vllm` marker; `.ci/run` runs both.
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,6 +124,8 @@ def test_vllm_decodes_every_batch_and_computes_the_same_block_hashes(vllm_python
             oracle.stdin.write(json.dumps({"prompts": ids, "block_size": BLOCK}) + "\n")
             oracle.stdin.flush()
             out, _ = oracle.communicate(timeout=120)
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+                metrics = resp.read().decode()
         finally:
             if oracle.poll() is None:
                 oracle.kill()
@@ -141,6 +146,10 @@ def test_vllm_decodes_every_batch_and_computes_the_same_block_hashes(vllm_python
             assert stored[h]["parent"] == (hashes[i - 1] if i else None)
             assert stored[h]["tokens"] == prompt[i * BLOCK:(i + 1) * BLOCK]
             assert stored[h]["block_size"] == BLOCK and stored[h]["medium"] == "GPU"
+    published = re.search(r'rngd_pd_kv_events_batches_total\{model="prefill",outcome="published"\} (\S+)',
+                          metrics)
+    assert published and float(published.group(1)) == len(seqs), metrics[-2000:]
+    assert 'outcome="dropped"' not in metrics
     removed = [h for b in batches for e in b["events"] if e["type"] == "BlockRemoved"
                for h in e["block_hashes"]]
     assert removed and set(removed) <= set(stored)

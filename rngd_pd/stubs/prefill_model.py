@@ -80,6 +80,7 @@ class PrefillModel:
         self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0
+        self._events_seen = (0, 0)
         self.load_gauges = load_gauges("prefill", self.load, self.metrics.sink)
 
     def load(self) -> Any:
@@ -114,9 +115,17 @@ class PrefillModel:
         self.metrics.record_kv_transfer(push_s, self.transport_name)
         if self.service.engine.prefix_cache is not None:
             self.metrics.record_prefix(len(ids), cached)
+        self._count_events()
         return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
                                                  T.KV_HANDLE: handle.to_json},
                                      pbutils.requested_outputs(request))
+
+    def _count_events(self) -> None:
+        """The publisher's batches queued and dropped since the last request, as counters."""
+        now = (self.events.published, self.events.dropped)
+        if now != self._events_seen:
+            self.metrics.record_kv_events(now[0] - self._events_seen[0], now[1] - self._events_seen[1])
+            self._events_seen = now
 
     def finalize(self) -> None:
         if self.load_gauges is not None:

@@ -85,6 +85,11 @@ class ZmqPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
+    @property
+    def published(self) -> int:
+        """Batches queued since start (sequence numbers handed out), dropped ones included."""
+        return self._next_seq
+
     def publish(self, events: list[messages.KVEvent]) -> None:
         if not events:
             return
@@ -158,7 +163,7 @@ class ZmqPublisher:
 class NullPublisher:
     """Events off: publishing does nothing."""
 
-    dropped = sent = 0
+    dropped = sent = published = 0
 
     def publish(self, events: list[messages.KVEvent]) -> None:
         return

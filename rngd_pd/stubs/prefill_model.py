@@ -75,8 +75,12 @@ class PrefillModel:
         p = model_params(PrefillParams, args)
         self.transport_name = p.kv_transport
         self.events = kv_events_publisher(args)
-        self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
-                                      p.chunk_size, p.max_len, **p.prefix_kwargs(), events=self.events)
+        try:
+            self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
+                                          p.chunk_size, p.max_len, **p.prefix_kwargs(), events=self.events)
+        except BaseException:
+            self.events.close()  # its sockets are bound: let go of the ports for the next load
+            raise
         self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0

@@ -129,14 +129,15 @@ class ZmqPublisher:
     def _send(self, seq: int, ts: float, events: list) -> None:
         try:
             payload = messages.ENCODER.encode(messages.batch(events, self.rank, ts))
+        except Exception:
+            log.exception("kv events: encoding batch %d failed", seq)
+            return
+        self._buffer.append((seq, payload))  # replay has it even if the PUB socket drops it
+        try:  # PUB never blocks: past the high-water mark ZeroMQ drops the message
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             self.sent += 1
-        except zmq.Again:  # the high-water mark is reached: PUB drops, as in vLLM; replay still has it
-            pass
-        except Exception:
+        except zmq.ZMQError:
             log.exception("kv events: sending batch %d failed", seq)
-            return
-        self._buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
         """Answer every waiting replay request (ROUTER frames: client id, empty, start seq)."""

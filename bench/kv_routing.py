@@ -19,8 +19,9 @@ policy used.
   order. Policies `events` (2 instances, routed by the events), `round-robin` (2 instances) and
   `single` (1 instance) run in alternating rounds on the same servers; every round salts the system
   prompt so no round reuses another's blocks. Each server first prefills a short warm-up trace of its
-  own (not measured). Judged (issue 30): events' hit rate >= 0.9 x single's,
-  events' TTFT p50 <= round-robin's / 1.5.
+  own (not measured). `--concurrency N` runs N clients at once (each conversation on one of them);
+  the event router then adds llm-d's queue term (requests in flight per pod). Judged (issue 30):
+  events' hit rate >= 0.9 x single's, events' TTFT p50 <= round-robin's / 1.5.
 * overhead: unique prompts of `--prompt-tokens` random ids, each sent to the `on` and the `off` server
   (alternating which goes first). Judged: TTFT p50 on / off - 1 under 2 %. Also reported: the CPU time
   publishing adds per prompt, measured in this process, as a share of the off server's TTFT p50 (the
@@ -31,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -186,17 +189,8 @@ def run_routing(args: argparse.Namespace) -> dict:
                 trace = chat_trace(tok, args.conversations, args.turns, seed=args.seed + rnd, salt=salt)
                 before = {n: prefix_counters(s) for n, (s, _) in servers.items()}
                 say(f"round {rnd} {policy}: {len(trace)} requests")
-                for i, (conv, ids) in enumerate(trace):
-                    if policy == "events":
-                        pod, expected = router.route(ids)
-                    elif policy == "round-robin":
-                        pod, expected = ("a", "b")[i % 2], -1
-                    else:
-                        pod, expected = "a", -1
-                    ttft = prefill(servers[pod][0].grpc_url, f"{salt}-{i}", ids)
-                    rows.append({"round": rnd, "policy": policy, "index": i, "conversation": conv,
-                                 "pod": pod, "prompt_tokens": len(ids), "router_expected_tokens": expected,
-                                 "ttft_s": ttft})
+                for row in run_policy(policy, trace, servers, router, salt, args.concurrency):
+                    rows.append({"round": rnd, **row})
                 router.refresh(50)
                 after = {n: prefix_counters(s) for n, (s, _) in servers.items()}
                 q = sum(after[n][0] - before[n][0] for n in servers)
@@ -205,6 +199,48 @@ def run_routing(args: argparse.Namespace) -> dict:
         for sub in subs.values():
             sub.close()
     return summarize_routing(rows, args)
+
+
+def run_policy(policy: str, trace: list[tuple[int, list[int]]], servers: dict[str, Any], router: Any,
+               salt: str, concurrency: int) -> list[dict]:
+    """Send the trace under one policy. Conversation c is served by client c % concurrency, its turns
+    one after another (a chat waits for its reply); with concurrency > 1 the event router also weighs
+    the requests in flight per pod (rngd_pd.testing.kv_router)."""
+    lock, rr = threading.Lock(), itertools.count()
+    inflight = {name: 0 for name in servers}
+    rows: list[dict] = []
+
+    def pick(ids: list[int]) -> tuple[str, int]:
+        with lock:
+            if policy == "events":
+                pod, expected = router.route(ids, dict(inflight) if concurrency > 1 else None)
+            elif policy == "round-robin":
+                pod, expected = ("a", "b")[next(rr) % 2], -1
+            else:
+                pod, expected = "a", -1
+            inflight[pod] += 1
+        return pod, expected
+
+    def client(items: list[tuple[int, int, list[int]]]) -> None:
+        for i, conv, ids in items:
+            pod, expected = pick(ids)
+            try:
+                ttft = prefill(servers[pod][0].grpc_url, f"{salt}-{i}", ids)
+            finally:
+                with lock:
+                    inflight[pod] -= 1
+            with lock:
+                rows.append({"policy": policy, "index": i, "conversation": conv, "pod": pod,
+                             "prompt_tokens": len(ids), "router_expected_tokens": expected, "ttft_s": ttft})
+
+    work = [[(i, c, ids) for i, (c, ids) in enumerate(trace) if c % concurrency == k]
+            for k in range(concurrency)]
+    threads = [threading.Thread(target=client, args=(items,)) for items in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(rows, key=lambda r: r["index"])
 
 
 def summarize_routing(rows: list[dict], args: argparse.Namespace) -> dict:
@@ -274,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--conversations", type=int, default=8)
     r.add_argument("--turns", type=int, default=6)
     r.add_argument("--rounds", type=int, default=1, help="rounds of the three policies (rotated order)")
+    r.add_argument("--concurrency", type=int, default=1,
+                   help="clients sending at once (conversation c on client c %% N); above 1 the event "
+                        "router also weighs requests in flight, as llm-d's queue scorer")
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=24)
     o.add_argument("--prompt-tokens", type=int, default=512)

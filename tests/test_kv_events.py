@@ -316,8 +316,15 @@ def test_ipc_endpoints_are_bound() -> None:
 # ---- the event-scored router (the benches' stand-in for llm-d's precise prefix-cache scorer) -------
 
 
+class Silent:
+    """A subscriber with nothing new (the router's pods are fed directly)."""
+
+    def poll(self, timeout_ms: int = 0) -> list:
+        return []
+
+
 def test_router_scores_pods_by_the_longest_published_prefix() -> None:
-    router = EventRouter({"a": None, "b": None}, block_size=4, seed_env={})  # type: ignore[dict-item]
+    router = EventRouter({"a": Silent(), "b": Silent()}, block_size=4, seed_env={})  # type: ignore[dict-item]
     prompt = list(range(20))  # 5 blocks
     h = _vllm_hashes(prompt, 4)
     router.pods["a"].apply(messages.batch([messages.stored(h[:2], None, prompt[:8], 4)]))
@@ -327,3 +334,14 @@ def test_router_scores_pods_by_the_longest_published_prefix() -> None:
     router.pods["a"].apply(messages.batch([messages.AllBlocksCleared()]))
     assert router.scores(prompt) == {"a": 0, "b": 1}
     assert router.scores([7] * 20) == {"a": 0, "b": 0}
+
+
+def test_router_with_load_sends_new_chats_to_an_idle_pod_and_keeps_returning_ones() -> None:
+    router = EventRouter({"a": Silent(), "b": Silent()}, block_size=4, seed_env={})  # type: ignore[dict-item]
+    system, chat = list(range(8)), list(range(8)) + list(range(100, 124))  # 2 shared blocks + 6 of its own
+    new = list(range(8)) + list(range(200, 224))
+    h = _vllm_hashes(chat, 4)
+    router.pods["a"].apply(messages.batch([messages.stored(h, None, chat[:32], 4)]))
+    assert router.route(new, {"a": 1, "b": 0})[0] == "b"  # only the system prompt on a: the idle pod wins
+    assert router.route([*chat, 1, 2, 3, 4], {"a": 1, "b": 0}) == ("a", 32)  # its history outweighs a's load
+    assert router.route(system + [9] * 8)[0] == "a"  # without load: the longest prefix alone

@@ -5,12 +5,17 @@ AllBlocksCleared; a prompt's score on a pod is the length of the longest run of 
 hashes (vLLM's chain, hashed here from the tokens) that the pod holds, as the llm-d indexer's
 longest-prefix scorer computes it. The best score wins; ties go round-robin, so a prompt no pod has
 seen spreads the load.
+
+With `inflight` (requests running per pod, which the caller counts) the score is llm-d's default
+prefill profile instead: 2 x the share of the prompt's blocks the pod holds + 1 x a queue score (1 for
+the least busy pod, 0 for the busiest), so a new conversation whose only cached part is a shared
+system prompt goes to an idle pod, while a returning one stays with its history.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rngd_pd.engine.kv_events import hashing, messages
 from rngd_pd.engine.kv_events.subscriber import Subscriber
@@ -64,10 +69,18 @@ class EventRouter:
         hashes = [hashing.external(h) for h in hashing.block_hashes(list(ids), self.block_size, self.root)]
         return {name: pod.score(hashes) for name, pod in self.pods.items()}
 
-    def route(self, ids: Sequence[int]) -> tuple[str, int]:
-        """(pod, cached tokens it is expected to hold) for a prompt."""
+    def route(self, ids: Sequence[int], inflight: Mapping[str, int] | None = None) -> tuple[str, int]:
+        """(pod, cached tokens it is expected to hold) for a prompt (module docstring)."""
         self.refresh()
-        scores = self.scores(ids)
+        blocks = self.scores(ids)
+        total = max(1, len(ids) // self.block_size)
+        if inflight is None:
+            scores: dict[str, float] = {name: float(b) for name, b in blocks.items()}
+        else:
+            low, high = min(inflight.values()), max(inflight.values())
+            queue = {n: 1.0 if high == low else 1 - (inflight[n] - low) / (high - low) for n in blocks}
+            scores = {n: 2 * blocks[n] / total + queue[n] for n in blocks}
         best = max(scores.values())
         tied = [name for name, s in scores.items() if s == best]
-        return tied[next(self._ties) % len(tied)], best * self.block_size
+        pod = tied[next(self._ties) % len(tied)]
+        return pod, blocks[pod] * self.block_size

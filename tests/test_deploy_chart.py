@@ -199,8 +199,9 @@ def test_serving_containers_run_the_entry_point(rendered: dict[str, str], exampl
         assert c["command"] == ["rngd-pd"] and args[0] == "serve", (role, c["command"], args[:2])
         assert flag(args, "--role") == role and flag(args, "--host") == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        events = {"kv-events", "kv-replay"} if role == "prefill" and values["kvEvents"]["enabled"] else set()
         assert set(ports) == ({"http", "grpc", "metrics", "openai"} if role == "gateway" else
-                              {"http", "grpc", "metrics"})
+                              {"http", "grpc", "metrics"} | events)
         assert (str(ports["http"]), str(ports["grpc"]), str(ports["metrics"])) == \
             (flag(args, "--http-port"), flag(args, "--grpc-port"), flag(args, "--metrics-port"))
         assert ports["http"] == 8000 and ports["metrics"] == 8002
@@ -436,6 +437,44 @@ def test_endpoint_picker_config(rendered: dict[str, str]) -> None:
     assert engine == {"name": "rngd-pd", "queuedRequestsSpec": "rngd_pd_requests_waiting",
                       "runningRequestsSpec": "rngd_pd_requests_running",
                       "kvUsageSpec": "rngd_pd_kv_cache_usage_ratio"}
+
+
+def test_kv_events_reach_prefill_and_the_precise_scorer_agrees_with_them(rendered: dict[str, str]) -> None:
+    """llm-d example: prefill serves with a --kv-events-config this project's parser accepts (PUB bound
+    on the named container port, replay beside it, topic kv@<pod IP>@<model>); the EPP's precise
+    scorer discovers exactly the prefill pods, on that port, with the pods' block size and hash seed."""
+    from rngd_pd.config import kv_events
+
+    objs = docs(rendered["llm-d"])
+    values = values_of("llm-d")
+    deploy = one(objs, "Deployment", "-prefill")
+    c = container(deploy)
+    cfg = kv_events.parse(flag(c["args"], "--kv-events-config"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert cfg.enabled and kv_events.binds(cfg.endpoint)
+    assert cfg.endpoint == f"tcp://*:{ports['kv-events']}" and cfg.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
+    assert cfg.topic == f"kv@$(POD_IP)@{values['model']['name']}"
+    env = env_of(c)
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    (cfg_epp,) = _epp_configs(objs)
+    (scorer,) = [p for p in cfg_epp["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
+    params = scorer["parameters"]
+    assert f"prefix_block={params['tokenProcessorConfig']['blockSize']}" in c["args"]
+    assert params["tokenProcessorConfig"]["hashSeed"] == env["PYTHONHASHSEED"]["value"]
+    discovery = params["kvEventsConfig"]["podDiscoveryConfig"]
+    assert discovery["socketPort"] == ports["kv-events"] and params["kvEventsConfig"]["discoverPods"]
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    selector = dict(kv.split("=") for kv in discovery["podLabelSelector"].split(","))
+    assert selector.items() <= labels.items()
+    for role in ("gateway", "decode"):  # only prefill publishes
+        other = one(objs, "Deployment", f"-{role}")
+        assert not selector.items() <= other["spec"]["template"]["metadata"]["labels"].items()
+        assert "--kv-events-config" not in container(other)["args"]
+    profiles = {p["name"]: [r["pluginRef"] for r in p["plugins"]] for p in cfg_epp["schedulingProfiles"]}
+    assert "precise-prefix-cache-scorer" in profiles["prefill"]
+    for example in EXAMPLES:
+        if not values_of(example)["kvEvents"]["enabled"]:
+            assert "--kv-events-config" not in rendered[example]
 
 
 # --- values: site values stay out, the schema and the template refuse bad input --------------------

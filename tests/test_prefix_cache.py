@@ -10,8 +10,9 @@ import torch
 
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.engine.kv_events.hashing import block_hashes, none_hash
 from rngd_pd.engine.prefill import PrefillEngine
-from rngd_pd.engine.prefix import PrefixCache, block_names
+from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.model.generate import greedy
 from rngd_pd.model.sampling import SamplingParams
 
@@ -29,9 +30,10 @@ def test_block_names_chain_over_the_whole_prefix() -> None:
     a = np.arange(100, dtype=np.int64)
     b = a.copy()
     b[5] = 7  # differs in block 0: every later block's name differs too
-    na, nb = block_names(a, 32), block_names(b, 32)
+    root = none_hash()
+    na, nb = block_hashes(a.tolist(), 32, root), block_hashes(b.tolist(), 32, root)
     assert len(na) == 3 and na[0] != nb[0] and na[2] != nb[2]
-    assert block_names(a[:64], 32) == na[:2]
+    assert block_hashes(a[:64].tolist(), 32, root) == na[:2]
 
 
 def test_cached_prefill_equals_uncached_fp32(smollm) -> None:

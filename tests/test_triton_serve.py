@@ -74,6 +74,8 @@ def test_bad_arguments_exit_2_with_reason(tmp_path: Path) -> None:
         (["--kv-transport", "nixl"], {}, nixl),
         ([], {"AIRM_KV_TRANSPORT": "nixl"}, nixl),  # the variable ai-rm sets, refused as the flag is
         (["--model", str(tmp_path / "nope.gguf")], {}, "nope.gguf does not exist"),
+        (["--kv-events-config", '{"enable_kv_events": true}'], {},
+         "--kv-events-config: unknown key(s) enable_kv_events; known: enable_kv_cache_events"),
     ]
     for extra, env, needle in cases:
         proc = subprocess.run([*RNGD_PD, "serve", "--repository", str(tmp_path), *extra],

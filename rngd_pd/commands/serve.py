@@ -24,12 +24,14 @@ import threading
 import time
 from pathlib import Path
 
+from rngd_pd.config import kv_events
 from rngd_pd.config.dtypes import COMPUTE_CHOICES, KV_DTYPES
 from rngd_pd.config.env import (
     AIRM_KV_TRANSPORT,
     RNGD_PD_DECODE_URL,
     RNGD_PD_DTYPE,
     RNGD_PD_KV_DTYPE,
+    RNGD_PD_KV_EVENTS_CONFIG,
     RNGD_PD_MODEL,
     RNGD_PD_PREFILL_URL,
     RNGD_PD_ROLE,
@@ -101,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-url", help="gateway: gRPC host:port of the decode server")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="set a model parameter in every model that has it (repeatable), e.g. max_len=512")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="publish prefill's KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+                        "\"topic\": \"kv@POD@MODEL\"}' (vLLM's KVEventsConfig keys; default "
+                        "$RNGD_PD_KV_EVENTS_CONFIG, else off; docs/kv-events.md)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the models")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of tritonserver (after a model's stub died) allowed within "
@@ -125,7 +132,8 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
     pairs = ((RNGD_PD_MODEL, args.model), (AIRM_KV_TRANSPORT, args.kv_transport),
              (RNGD_PD_KV_DTYPE, args.kv_dtype), (RNGD_PD_DTYPE, args.dtype),
              (RNGD_PD_PREFILL_URL, args.prefill_url),
-             (RNGD_PD_DECODE_URL, args.decode_url), (RNGD_PD_ROLE, args.role))
+             (RNGD_PD_DECODE_URL, args.decode_url), (RNGD_PD_ROLE, args.role),
+             (RNGD_PD_KV_EVENTS_CONFIG, args.kv_events_config))
     for var, value in pairs:
         if value:
             env[var.name] = str(Path(value).resolve()) if var is RNGD_PD_MODEL else value
@@ -163,6 +171,10 @@ def validate(args: argparse.Namespace, repository: Path) -> str | None:
         return f"--param takes NAME=VALUE, got {', '.join(bad)}"
     if args.role == "gateway" and not (args.prefill_url and args.decode_url):
         return "--role gateway needs --prefill-url and --decode-url (gRPC host:port of the other servers)"
+    try:
+        kv_events.parse(args.kv_events_config)
+    except ConfigError as exc:
+        return str(exc)
     if args.max_restarts < 0 or args.restart_window <= 0:
         return "--max-restarts must be >= 0 and --restart-window > 0"
     if args.hang_timeout < 0:

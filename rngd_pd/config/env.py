@@ -59,6 +59,11 @@ class EnvVar:
         value = (os.environ if env is None else env).get(self.member(suffix) if suffix else self.name, "")
         return value or None
 
+    def exact(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The text exactly as set, an empty value included (None only when unset): for a rule that is
+        another program's, such as vLLM's hash seed."""
+        return (os.environ if env is None else env).get(self.name)
+
     def get(self, env: Mapping[str, str] | None = None) -> Any:
         """The value converted to `type`, the default when unset; ConfigError naming the variable."""
         text = self.raw(env)
@@ -115,8 +120,16 @@ RNGD_PD_PARAM_ = _var("RNGD_PD_PARAM_", str, None, (MODELS,),
                       "(serve --param NAME=VALUE)", prefix=True)
 RNGD_PD_SERVER_RESTARTS = _var("RNGD_PD_SERVER_RESTARTS", int, None, (MODELS,),
                                "set by serve: how many times it restarted tritonserver (0 at first)")
+RNGD_PD_KV_EVENTS_CONFIG = _var("RNGD_PD_KV_EVENTS_CONFIG", str, None, (MODELS, SERVE),
+                                "KV events as vLLM's --kv-events-config JSON (serve --kv-events-config): "
+                                "prefill publishes BlockStored/BlockRemoved/AllBlocksCleared over ZMQ; "
+                                "unset = off (rngd_pd.config.kv_events)")
 RNGD_PD_KV_DEBUG_LOG = _var("RNGD_PD_KV_DEBUG_LOG", str, None, (TRANSPORTS,),
                             "a file both sides of the KV hand-off append one JSON line per blob to")
+
+PYTHONHASHSEED = _var("PYTHONHASHSEED", str, None, (MODELS, TESTS),
+                      "also vLLM's block-hash seed: KV event block hashes start from sha256_cbor of it "
+                      "when set, else of \"vllm-none-hash\" (rngd_pd.engine.kv_events.hashing)")
 
 # ---- serve
 RNGD_PD_CACHE = _var("RNGD_PD_CACHE", Path, None, (SERVE, DEVICES),

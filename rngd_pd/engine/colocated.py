@@ -36,7 +36,7 @@ class ColocatedEngine:
         max_queue: int = 64,
         buckets: Sequence[int] | Mapping[int, int] | None = None,
         prefix_cache_bytes: int = 0,
-        prefix_block: int = 32,
+        prefix_block: int = 16,
     ) -> None:
         """prefix_cache_bytes: memory for the KV of prompt prefixes reused across requests (0 = off),
         in blocks of prefix_block tokens."""

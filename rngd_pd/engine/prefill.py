@@ -20,6 +20,7 @@ import numpy as np
 
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, past_buckets
 from rngd_pd.devices.torch_runtime import as_runtime
+from rngd_pd.engine.kv_events.publisher import EventSink
 from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
@@ -41,10 +42,11 @@ class PrefillEngine:
         chunk_size: int | None = 512,
         max_context: int | None = None,
         prefix_cache_bytes: int = 0,
-        prefix_block: int = 32,
+        prefix_block: int = 16,
+        events: EventSink | None = None,
     ) -> None:
         """prefix_cache_bytes: memory for reused prefixes' KV (0 = no prefix reuse), in blocks of
-        prefix_block tokens."""
+        prefix_block tokens; `events` is told every change of that cache (KV events)."""
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"chunk_size must be >= 1 (or None for whole prompts), got {chunk_size}")
         self.runtime = as_runtime(loaded)
@@ -58,7 +60,7 @@ class PrefillEngine:
                                          prefill_past=past_buckets(chunk, self.max_context)))
         c = self.config
         self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,
-                                        self.kv_dtype, prefix_cache_bytes, prefix_block) \
+                                        self.kv_dtype, prefix_cache_bytes, prefix_block, events) \
             if prefix_cache_bytes > 0 else None
 
     def validate(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> Any:
@@ -101,14 +103,15 @@ class PrefillEngine:
         chunk = self.chunk_size if chunk_size == -1 else chunk_size
         cache = self.prefix_cache
         with self.runtime.inference():
-            cached, blocks = cache.match(ids) if cache is not None else (0, [])
+            names = cache.hashes(ids) if cache is not None else []
+            cached, blocks = cache.match(ids, names) if cache is not None else (0, [])
             if not cached and (chunk is None or len(tokens) <= chunk):
                 logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
             else:
                 logits, kv = self._chunked(tokens, chunk or len(tokens), on_layer, cached, blocks)
             first = Sampler(params).sample(logits)
             if cache is not None:
-                cache.insert(ids, kv, cached)
+                cache.insert(ids, kv, cached, names)
         return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv, cached_tokens=cached)
 
     def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None, cached: int = 0,

@@ -74,7 +74,9 @@ PREFIX_QUERIES = "rngd_pd_prefix_cache_queries_total"
 PREFIX_HITS = "rngd_pd_prefix_cache_hits_total"
 PREFIX_HIT_RATE = "rngd_pd_prefix_cache_hit_rate"
 PREFILL_PATH = "rngd_pd_prefill_requests_total"
+KV_EVENTS = "rngd_pd_kv_events_batches_total"
 COUNTERS: dict[str, str] = {
+    KV_EVENTS: "KV event batches by outcome: queued (published) or dropped (the queue was full)",
     PREFIX_QUERIES: "prompt tokens looked up in the prefix cache",
     PREFIX_HITS: "prompt tokens whose KV came from the prefix cache (not computed)",
     PREFILL_PATH: "requests by where their prompt was prefilled: remote (hand-off) or local (decode)",
@@ -199,6 +201,14 @@ class ServingMetrics:
                 self.sink.increment(PREFIX_QUERIES, self.labels, queried_tokens)
                 self.sink.increment(PREFIX_HITS, self.labels, hit_tokens)
                 self.sink.set_gauge(PREFIX_HIT_RATE, self.labels, self._prefix[1] / max(1, self._prefix[0]))
+
+    def record_kv_events(self, published: int, dropped: int) -> None:
+        """KV event batches queued and dropped since the last call (docs/kv-events.md)."""
+        with self._lock:
+            if self.sink is not None:
+                for outcome, n in (("published", published), ("dropped", dropped)):
+                    if n:
+                        self.sink.increment(KV_EVENTS, {**self.labels, "outcome": outcome}, n)
 
     def record_prefill_path(self, local: bool) -> None:
         """Where one request's prompt was prefilled (conditional disaggregation)."""

@@ -6,11 +6,14 @@ transport as soon as it is computed (`KVSender` as the engine's on_layer hook), 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.config import kv_events
+from rngd_pd.config.params import instance_index
 from rngd_pd.devices.torch_runtime import as_runtime
+from rngd_pd.engine.kv_events.publisher import EventSink, NullPublisher, ZmqPublisher, open_publisher
 from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.kv.handle import KVHandle, KVSpec
 from rngd_pd.kv.handoff import KVSender
@@ -27,12 +30,15 @@ class PrefillService:
     """One prefill engine + one transport; `prefill` is called by one thread at a time per instance."""
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", chunk_size: int | None = 512,
-                 max_len: int | None = None, prefix_cache_bytes: int = 0, prefix_block: int = 32) -> None:
-        """loaded: a DeviceRuntime (loading.load_for), or a LoadedModel to run on the CPU."""
+                 max_len: int | None = None, prefix_cache_bytes: int = 0, prefix_block: int = 16,
+                 events: EventSink | None = None) -> None:
+        """loaded: a DeviceRuntime (loading.load_for), or a LoadedModel to run on the CPU; `events`
+        publishes the prefix cache's changes (KV events)."""
         self.runtime = as_runtime(loaded)
         self.loaded, self.transport, self.kv_dtype = self.runtime.loaded, transport, kv_dtype
         self.engine = PrefillEngine(self.runtime, kv_dtype, chunk_size or None, max_context=max_len,
-                                    prefix_cache_bytes=prefix_cache_bytes, prefix_block=prefix_block)
+                                    prefix_cache_bytes=prefix_cache_bytes, prefix_block=prefix_block,
+                                    events=events)
         loaded, c = self.loaded, self.loaded.config
         self.spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
 
@@ -49,17 +55,36 @@ class PrefillService:
         self.transport.close()
 
 
+def kv_events_publisher(args: Mapping[str, Any]) -> ZmqPublisher | NullPublisher:
+    """The KV event publisher $RNGD_PD_KV_EVENTS_CONFIG asks for (off: a NullPublisher); instance r of
+    the model publishes on the configured port + r with data_parallel_rank r (vLLM's rule). A bad
+    configuration or a port in use fails the model's load."""
+    cfg = kv_events.from_env()
+    rank = instance_index(args.get("model_instance_name", ""))
+    publisher = open_publisher(cfg, rank)
+    if isinstance(publisher, ZmqPublisher):
+        pbutils.log(f"{args.get('model_instance_name', '?')}: KV events on {publisher.endpoint} "
+                    f"(replay {publisher.replay_endpoint or 'off'}, topic {cfg.topic!r})")
+    return publisher
+
+
 class PrefillModel:
     """Triton adapter: one response per request (not decoupled)."""
 
     def initialize(self, args: dict) -> None:
         p = transport_params(PrefillParams, args)
         self.transport_name = p.kv_transport
-        self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
-                                      p.chunk_size, p.max_len, **p.prefix_kwargs())
+        self.events = kv_events_publisher(args)
+        try:
+            self.service = PrefillService(load_for(p, args, "prefill"), transport_for(p), p.kv_dtype,
+                                          p.chunk_size, p.max_len, **p.prefix_kwargs(), events=self.events)
+        except BaseException:
+            self.events.close()  # its sockets are bound: let go of the ports for the next load
+            raise
         self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0
+        self._events_seen = (0, 0)
         self.load_gauges = load_gauges("prefill", self.load, self.metrics.sink)
 
     def load(self) -> Any:
@@ -94,12 +119,21 @@ class PrefillModel:
         self.metrics.record_kv_transfer(push_s, self.transport_name)
         if self.service.engine.prefix_cache is not None:
             self.metrics.record_prefix(len(ids), cached)
+        self._count_events()
         return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
                                                  T.KV_HANDLE: handle.to_json},
                                      pbutils.requested_outputs(request))
+
+    def _count_events(self) -> None:
+        """The publisher's batches queued and dropped since the last request, as counters."""
+        now = (self.events.published, self.events.dropped)
+        if now != self._events_seen:
+            self.metrics.record_kv_events(now[0] - self._events_seen[0], now[1] - self._events_seen[1])
+            self._events_seen = now
 
     def finalize(self) -> None:
         if self.load_gauges is not None:
             self.load_gauges.close()
         self.service.close()
+        self.events.close()
         self.metrics.close()

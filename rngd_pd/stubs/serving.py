@@ -31,7 +31,8 @@ class PrefixParams:
     """Prefix reuse (rngd_pd.engine.prefix), in every model that prefills."""
 
     prefix_cache_mb: int = param(512, help="host memory for reused prompt prefixes' KV (0 = no reuse)")
-    prefix_block: int = param(32, help="tokens per prefix cache block (prefixes are reused in whole blocks)")
+    prefix_block: int = param(16, help="tokens per prefix cache block (prefixes are reused in whole blocks); "
+                                       "with KV events also the block size a router must hash with")
 
     def prefix_kwargs(self) -> dict[str, int]:
         return {"prefix_cache_bytes": max(0, self.prefix_cache_mb) << 20, "prefix_block": self.prefix_block}

@@ -77,3 +77,14 @@ device name.
 default
 {{- end -}}
 {{- end -}}
+
+{{- /*
+The prefill pods' `rngd-pd serve --kv-events-config` (vLLM's KVEventsConfig keys, docs/kv-events.md):
+PUB bound on every interface of the pod, the replay ROUTER beside it, topic kv@<pod IP>@<model>
+($(POD_IP) is expanded by the kubelet from the container's env).
+*/ -}}
+{{- define "rngd-pd.kvEventsConfig" -}}
+{{- $c := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.port)) "buffer_steps" (int .Values.kvEvents.bufferSteps) "topic" (printf "kv@$(POD_IP)@%s" .Values.model.name) -}}
+{{- if .Values.kvEvents.replayPort }}{{- $_ := set $c "replay_endpoint" (printf "tcp://*:%d" (int .Values.kvEvents.replayPort)) -}}{{- end -}}
+{{- toJson $c -}}
+{{- end -}}

@@ -1,0 +1,340 @@
+"""Prefix-aware routing by KV events, measured: two prefill instances behind a router that sees only
+their published events (rngd_pd.testing.kv_router), against round-robin and one instance alone; and
+one prefill with publishing on against off.
+
+    .venv/bin/python bench/kv_routing.py routing [--conversations 8 --turns 6 --rounds 2] [--json F]
+    .venv/bin/python bench/kv_routing.py overhead [--requests 24 --prompt-tokens 512] [--json F]
+
+Servers: tritonservers holding only `prefill` (cpu config, compute dtype auto unless --dtype, shm
+transport whose unread KV expires after 15 s), each with KV events on (`--kv-events-config`: PUB
+bound on an ipc endpoint, replay on 127.0.0.1) except the `off` server of `overhead`. Requests go to
+the `prefill` model by tritonclient gRPC, one at a time; TTFT is that call's latency (prefill
+computes the first token), client side. Hit rate is prefill's own counter
+(`rngd_pd_prefix_cache_hits_total` over `..._queries_total`, prompt tokens) summed over the servers a
+policy used.
+
+* routing: a multi-turn chat trace (`--conversations` chats of `--turns` turns sharing one system
+  prompt; each turn's prompt is the whole history through the model's chat template, so a returning
+  chat repeats its earlier prompt as a prefix); the conversations' turns arrive in a seeded random
+  order. Policies `events` (2 instances, routed by the events), `round-robin` (2 instances) and
+  `single` (1 instance) run in alternating rounds on the same servers; every round salts the system
+  prompt so no round reuses another's blocks. Each server first prefills a short warm-up trace of its
+  own (not measured). `--concurrency N` runs N clients at once (each conversation on one of them);
+  the event router then adds llm-d's queue term (requests in flight per pod). Judged (issue 30):
+  events' hit rate >= 0.9 x single's, events' TTFT p50 <= round-robin's / 1.5.
+* overhead: unique prompts of `--prompt-tokens` random ids, each sent to the `on` and the `off` server
+  (alternating which goes first). Judged: TTFT p50 on / off - 1 under 2 %. Also reported: the CPU time
+  publishing adds per prompt, measured in this process, as a share of the off server's TTFT p50 (the
+  TTFTs of a loaded host move by more than 2 % between calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BLOCK = 16
+WORDS = ("harbour", "vessel", "cargo", "manifest", "port", "pilot", "tide", "berth", "crane", "invoice",
+         "customs", "route", "weather", "delay", "schedule", "captain", "crew", "anchor", "container",
+         "freight", "dock", "quay", "ledger", "signal", "voyage")
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def p50(values: Sequence[float]) -> float:
+    return float(np.percentile(values, 50)) if values else float("nan")
+
+
+# ---- servers -----------------------------------------------------------------------------------
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefill_servers(names: Sequence[str], events_on: Sequence[str], dtype: str) -> Iterator[dict[str, Any]]:
+    """{name: (ready TritonServer, its KV events config or None)}, prefill only; stopped on exit."""
+    from rngd_pd.serve.server import ServerConfig, TritonServer
+
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rngd-pd-kv-routing-")))
+        repo = tmp / "repo"
+        repo.mkdir()
+        (repo / "prefill").symlink_to(ROOT / "model_repository" / "prefill", target_is_directory=True)
+        started: dict[str, Any] = {}
+        for name in names:
+            shm = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                                  else None))
+            env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm, "AIRM_KV_SHM_TTL_S": "15",
+                   "RNGD_PD_DTYPE": dtype, "RNGD_PD_PARAM_PREFIX_BLOCK": str(BLOCK)}
+            cfg_events = None
+            if name in events_on:
+                cfg_events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/{name}.pub",
+                              "replay_endpoint": f"tcp://127.0.0.1:{_port()}", "topic": f"kv@{name}@smollm2"}
+                env["RNGD_PD_KV_EVENTS_CONFIG"] = json.dumps(cfg_events)
+            cfg = ServerConfig(repo, "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env)
+            started[name] = (stack.enter_context(TritonServer(cfg, log=tmp / f"{name}.log")), cfg_events)
+        try:
+            for name, (server, _) in started.items():
+                say(f"waiting for prefill server {name} ...")
+                server.wait_ready(900)
+            yield started
+        except BaseException:
+            for name, (server, _) in started.items():
+                say(f"--- prefill server {name}: log tail ---\n{server.log_tail(40)}")
+            raise
+
+
+def prefill(url: str, key: str, ids: Sequence[int]) -> float:
+    """Seconds one `prefill` call takes (its first token)."""
+    import tritonclient.grpc as grpcclient
+
+    from rngd_pd.testing.e2e import grpc_inputs
+    from rngd_pd.wire import tensors as T
+
+    values = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_), T.INPUT_IDS: np.array(ids, np.int32)}
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        t0 = time.perf_counter()
+        client.infer("prefill", grpc_inputs(values), timeout=600)
+        return time.perf_counter() - t0
+    finally:
+        client.close()
+
+
+def prefix_counters(server: Any) -> tuple[float, float]:
+    """(queried, hit) prompt tokens of prefill's prefix cache since start."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for name in ("rngd_pd_prefix_cache_queries_total", "rngd_pd_prefix_cache_hits_total"):
+        rows = [ln for ln in text.splitlines() if ln.startswith(name + "{") and 'model="prefill"' in ln]
+        out[name] = sum(float(r.rsplit(" ", 1)[1]) for r in rows)
+    return out["rngd_pd_prefix_cache_queries_total"], out["rngd_pd_prefix_cache_hits_total"]
+
+
+# ---- the chat trace ----------------------------------------------------------------------------
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def chat_trace(tok: Any, conversations: int, turns: int, seed: int, salt: str) -> list[tuple[int, list[int]]]:
+    """[(conversation, prompt ids)] in arrival order: each conversation's turns in order, the
+    conversations interleaved at random; turn t's prompt is the system prompt and the whole history."""
+    rng = random.Random(seed)
+    system = f"Session {salt}. You are the operations assistant of a shipping line. " + " ".join(
+        sentence(rng, 12) for _ in range(8))
+    histories: list[list[dict]] = [[{"role": "system", "content": system}] for _ in range(conversations)]
+    order = [c for c in range(conversations) for _ in range(turns)]
+    rng.shuffle(order)
+    out = []
+    for c in order:
+        histories[c].append({"role": "user", "content": " ".join(sentence(rng, 10) for _ in range(3))})
+        out.append((c, tok.encode(tok.apply_chat_template(histories[c]))))
+        histories[c].append({"role": "assistant", "content": " ".join(sentence(rng, 12) for _ in range(6))})
+    return out
+
+
+# ---- routing -----------------------------------------------------------------------------------
+
+
+def run_routing(args: argparse.Namespace) -> dict:
+    from rngd_pd.config import kv_events
+    from rngd_pd.engine.kv_events.subscriber import Subscriber
+    from rngd_pd.model.checkpoint import load_tokenizer
+    from rngd_pd.testing.kv_router import EventRouter
+
+    _, tok = load_tokenizer()
+    rows: list[dict] = []
+    with prefill_servers(("a", "b"), ("a", "b"), args.dtype) as servers:
+        subs = {}
+        for name, (_, cfg) in servers.items():
+            c = kv_events.parse(cfg)
+            subs[name] = Subscriber(c.endpoint, c.replay_endpoint, topic="kv@")
+        router = EventRouter(subs, BLOCK)
+        time.sleep(0.5)
+        for name, sub in subs.items():  # what was published before we subscribed (the start's reset)
+            for received in sub.replay(0):
+                router.pods[name].apply(received.batch)
+        warm = chat_trace(tok, 2, 2, seed=args.seed + 999, salt="warm-up")
+        for name, (server, _) in servers.items():  # first calls pay one-time costs (allocations, kernels)
+            for i, (_, ids) in enumerate(warm):
+                prefill(server.grpc_url, f"warm-{name}-{i}", ids)
+        policies = ("events", "round-robin", "single")
+        for rnd in range(args.rounds):
+            for policy in policies[rnd % 3:] + policies[:rnd % 3]:
+                salt = f"r{rnd}-{policy}"
+                trace = chat_trace(tok, args.conversations, args.turns, seed=args.seed + rnd, salt=salt)
+                before = {n: prefix_counters(s) for n, (s, _) in servers.items()}
+                say(f"round {rnd} {policy}: {len(trace)} requests")
+                for row in run_policy(policy, trace, servers, router, salt, args.concurrency):
+                    rows.append({"round": rnd, **row})
+                router.refresh(50)
+                after = {n: prefix_counters(s) for n, (s, _) in servers.items()}
+                q = sum(after[n][0] - before[n][0] for n in servers)
+                h = sum(after[n][1] - before[n][1] for n in servers)
+                rows.append({"round": rnd, "policy": policy, "summary": True, "queried": q, "hits": h})
+        for sub in subs.values():
+            sub.close()
+    return summarize_routing(rows, args)
+
+
+def run_policy(policy: str, trace: list[tuple[int, list[int]]], servers: dict[str, Any], router: Any,
+               salt: str, concurrency: int) -> list[dict]:
+    """Send the trace under one policy. Conversation c is served by client c % concurrency, its turns
+    one after another (a chat waits for its reply); with concurrency > 1 the event router also weighs
+    the requests in flight per pod (rngd_pd.testing.kv_router)."""
+    lock, rr = threading.Lock(), itertools.count()
+    inflight = {name: 0 for name in servers}
+    rows: list[dict] = []
+
+    def pick(ids: list[int]) -> tuple[str, int]:
+        with lock:
+            if policy == "events":
+                pod, expected = router.route(ids, dict(inflight) if concurrency > 1 else None)
+            elif policy == "round-robin":
+                pod, expected = ("a", "b")[next(rr) % 2], -1
+            else:
+                pod, expected = "a", -1
+            inflight[pod] += 1
+        return pod, expected
+
+    def client(items: list[tuple[int, int, list[int]]]) -> None:
+        for i, conv, ids in items:
+            pod, expected = pick(ids)
+            try:
+                ttft = prefill(servers[pod][0].grpc_url, f"{salt}-{i}", ids)
+            finally:
+                with lock:
+                    inflight[pod] -= 1
+            with lock:
+                rows.append({"policy": policy, "index": i, "conversation": conv, "pod": pod,
+                             "prompt_tokens": len(ids), "router_expected_tokens": expected, "ttft_s": ttft})
+
+    work = [[(i, c, ids) for i, (c, ids) in enumerate(trace) if c % concurrency == k]
+            for k in range(concurrency)]
+    threads = [threading.Thread(target=client, args=(items,)) for items in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(rows, key=lambda r: r["index"])
+
+
+def summarize_routing(rows: list[dict], args: argparse.Namespace) -> dict:
+    out: dict[str, Any] = {"policies": {}}
+    for policy in ("events", "round-robin", "single"):
+        reqs = [r for r in rows if r["policy"] == policy and not r.get("summary")]
+        sums = [r for r in rows if r["policy"] == policy and r.get("summary")]
+        q, h = sum(r["queried"] for r in sums), sum(r["hits"] for r in sums)
+        ttft = [r["ttft_s"] for r in reqs]
+        out["policies"][policy] = {"requests": len(reqs), "hit_rate": h / q if q else 0.0,
+                                   "ttft_p50_ms": 1000 * p50(ttft),
+                                   "ttft_p90_ms": 1000 * float(np.percentile(ttft, 90))}
+    pol = out["policies"]
+    out["hit_rate_vs_single"] = pol["events"]["hit_rate"] / pol["single"]["hit_rate"]
+    out["ttft_p50_rr_over_events"] = pol["round-robin"]["ttft_p50_ms"] / pol["events"]["ttft_p50_ms"]
+    out["judged"] = {"hit_rate_ge_0.9_single": out["hit_rate_vs_single"] >= 0.9,
+                     "ttft_p50_1.5x_lower_than_rr": out["ttft_p50_rr_over_events"] >= 1.5}
+    out["rows"] = rows
+    out["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return out
+
+
+# ---- publishing overhead -----------------------------------------------------------------------
+
+
+def run_overhead(args: argparse.Namespace) -> dict:
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    with prefill_servers(("on", "off"), ("on",), args.dtype) as servers:
+        for i in range(args.requests + 1):
+            ids = rng.integers(100, 40_000, size=args.prompt_tokens).tolist()
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")
+            for name in order:
+                ttft = prefill(servers[name][0].grpc_url, f"{name}-{i}", ids)
+                if i:  # the first request of each server warms it and is left out
+                    rows.append({"server": name, "index": i, "ttft_s": ttft})
+    on = [r["ttft_s"] for r in rows if r["server"] == "on"]
+    off = [r["ttft_s"] for r in rows if r["server"] == "off"]
+    ratio = p50(on) / p50(off)
+    work = events_cpu_ms(args.prompt_tokens, args.seed)
+    return {"ttft_p50_on_ms": 1000 * p50(on), "ttft_p50_off_ms": 1000 * p50(off), "on_over_off": ratio,
+            "events_cpu_ms_per_request": work, "events_cpu_share_of_ttft_off": work / (1000 * p50(off)),
+            "judged": {"under_2_percent": abs(ratio - 1) < 0.02}, "rows": rows,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+
+
+def events_cpu_ms(prompt_tokens: int, seed: int, repeat: int = 50) -> float:
+    """CPU milliseconds that publishing adds to one prompt of `prompt_tokens` new tokens, measured in
+    this process (load-independent, unlike the TTFTs): building its BlockStored event, queueing it
+    and encoding it (the sender thread's share; hashing is not counted, the cache names its blocks
+    with the same hashes whether or not it publishes)."""
+    from rngd_pd.engine.kv_events import hashing, messages
+
+    ids = np.random.default_rng(seed).integers(100, 40_000, size=prompt_tokens).tolist()
+    names = hashing.block_hashes(ids, BLOCK, hashing.none_hash())
+    t0 = time.process_time()
+    for _ in range(repeat):
+        event = messages.stored([hashing.external(h) for h in names], None, ids[:len(names) * BLOCK], BLOCK)
+        messages.ENCODER.encode(messages.batch([event]))
+    return 1000 * (time.process_time() - t0) / repeat
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("routing")
+    r.add_argument("--conversations", type=int, default=8)
+    r.add_argument("--turns", type=int, default=6)
+    r.add_argument("--rounds", type=int, default=1, help="rounds of the three policies (rotated order)")
+    r.add_argument("--concurrency", type=int, default=1,
+                   help="clients sending at once (conversation c on client c %% N); above 1 the event "
+                        "router also weighs requests in flight, as llm-d's queue scorer")
+    o = sub.add_parser("overhead")
+    o.add_argument("--requests", type=int, default=24)
+    o.add_argument("--prompt-tokens", type=int, default=512)
+    for p in (r, o):
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="auto", help="compute dtype of the servers (RNGD_PD_DTYPE)")
+        p.add_argument("--json", type=Path, help="write the result (rows included) here")
+    args = ap.parse_args(argv)
+    result = run_routing(args) if args.mode == "routing" else run_overhead(args)
+    result["uptime"] = Path("/proc/loadavg").read_text().split()[:3]
+    table = {k: v for k, v in result.items() if k not in ("rows", "args")}
+    print(json.dumps(table, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

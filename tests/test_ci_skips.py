@@ -81,7 +81,8 @@ def test_ci_run_fails_when_a_step_skips_outside_the_allow_list_or_selects_nothin
     make.write_text(f"#!/bin/sh\ncd {tmp_path}/$1 && exec {' '.join(PYTEST)}\n")
     make.chmod(0o755)
     for step, body in (("test", "def test_x():\n    pytest.skip('no real helm here')\n"),
-                       ("test-rngd", "def test_y():\n    pass\n")):
+                       ("test-rngd", "def test_y():\n    pass\n"),
+                       ("test-vllm", "def test_z():\n    pass\n")):
         (tmp_path / step).mkdir()
         (tmp_path / step / "test_tiny.py").write_text("import pytest\n\n" + body)
     env = {**_env(None), "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
@@ -89,7 +90,8 @@ def test_ci_run_fails_when_a_step_skips_outside_the_allow_list_or_selects_nothin
                          timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "outside the allow-list of tests/skips.py: no real helm here" in out.stdout
-    assert "=== make test-rngd: exit 0" in out.stdout and "CI FAILED: make test (exit 1)" in out.stdout
+    assert "=== make test-rngd: exit 0" in out.stdout and "=== make test-vllm: exit 0" in out.stdout
+    assert "CI FAILED: make test (exit 1)" in out.stdout
     (tmp_path / "test" / "test_tiny.py").write_text("import pytest\n\n" + "def test_x():\n    pass\n")
     assert subprocess.run(["bash", str(ROOT / ".ci" / "run")], env=env, capture_output=True,
                           timeout=300).returncode == 0

@@ -19,7 +19,7 @@ for every configured shape (prefill chunks; decode batch width x sequence bucket
   serving runs most of the time; a static-shape device pads those rows);
 * KV: host -> device -> host byte-exact, through a cache slot as decode loads it.
 
-Tolerances are per compute dtype (`TOLERANCES`, measured against transformers: docs/devices.md).
+Tolerances are per compute and KV dtype (`TOLERANCES`, measured against transformers: docs/devices.md).
 Exits 1 on any failure, 2 when the device (or transformers) cannot be used here; prints what it
 checked either way.
 """
@@ -57,22 +57,32 @@ class Check:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How close a device must come to transformers in one compute dtype.
+    """How close a device must come to transformers.
 
-    logits: max |logit - reference logit| at any checked position; kv / kv_rtol: K and V
-    (allclose); tie: a greedy token may differ from the reference's only where the reference's own
-    logit of it is within `tie` of its top one (a near-tie that rounding may flip)."""
+    logits: max |logit - reference logit| at any checked position; kv: max |K - reference K| of a
+    layer (and V) over the largest |reference K| of that layer (rounding scales with the values, and
+    RoPE's differences of large products leave absolute errors on small results); tie: a greedy
+    token may differ from the reference's only where the reference's own logit of it is within
+    `tie` of its top one (a near-tie that rounding may flip)."""
 
     logits: float
     kv: float
-    kv_rtol: float
     tie: float
 
 
-# Measured on the embedded SmolLM2 (docs/devices.md, "Conformance"): fp32 compute with bf16 KV came
-# within 0.03 of transformers' logits; bf16 compute against transformers in bf16 within 1.1.
-TOLERANCES = {"fp32": Tolerance(logits=0.1, kv=0.1, kv_rtol=1e-2, tie=0.1),
-              "bf16": Tolerance(logits=2.0, kv=0.5, kv_rtol=5e-2, tie=1.0)}
+# Measured against transformers on the embedded SmolLM2 with the default shapes (docs/devices.md,
+# "Conformance"): the worst seen, then about 2x. fp32 compute with 16-bit KV rounds the K/V each
+# later layer and step attends over; bf16 compute is compared with transformers in bf16.
+TOLERANCES = {"fp32": Tolerance(logits=1e-3, kv=1e-4, tie=1e-3),
+              "fp32, 16-bit KV": Tolerance(logits=0.3, kv=0.02, tie=0.3),
+              "bf16": Tolerance(logits=1.5, kv=0.05, tie=1.0)}
+
+
+def tolerance(dtype: Any, kv_dtype: Any) -> Tolerance:
+    """The TOLERANCES row of a compute dtype and a KV dtype."""
+    if short_dtype(dtype) == "bf16":
+        return TOLERANCES["bf16"]
+    return TOLERANCES["fp32" if short_dtype(kv_dtype) == "fp32" else "fp32, 16-bit KV"]
 
 
 def parse_decode(text: str) -> tuple[tuple[int, int], ...]:
@@ -145,8 +155,6 @@ def check_prefill(dev: DeviceRuntime, ref: Reference, chunk: int, kv_dtype: Any,
         ids = _prompt(dev.loaded.tokenizer, n, n)
 
         def run(ids: list[int] = ids) -> tuple[bool, str]:
-            import torch
-
             logits, kv = prefill_chunked(dev, ids, chunk, kv_dtype)
             want_logits, want_kv = ref.score(ids)
             ok, detail = _verdict(logits[None], want_logits[-1:], tol)
@@ -154,10 +162,11 @@ def check_prefill(dev: DeviceRuntime, ref: Reference, chunk: int, kv_dtype: Any,
             for i, ((gk, gv), (rk, rv)) in enumerate(zip(kv, want_kv, strict=True)):
                 for name, a, b in (("K", rk, gk), ("V", rv, gv)):
                     a, b = a.float(), b.float()
-                    worst = max(worst, float((a - b).abs().max()))
-                    if not torch.allclose(a, b, atol=tol.kv, rtol=tol.kv_rtol):
-                        bad.append(f"layer {i} {name}")
-            detail += f"; KV max|diff| {worst:.3g}"
+                    rel = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
+                    worst = max(worst, rel)
+                    if rel > tol.kv:
+                        bad.append(f"layer {i} {name} {rel:.3g}")
+            detail += f"; KV max|diff|/max|ref| {worst:.3g}"
             if bad:
                 detail += f", outside tolerance: {', '.join(bad[:3])}"
             return ok and not bad, detail
@@ -254,14 +263,15 @@ def check_kv_roundtrip(dev: DeviceRuntime, width: int, bucket: int, kv_dtype: st
 
 
 def with_past(shapes: GraphShapes, steps: int) -> GraphShapes:
-    """`shapes` plus the past buckets the checks' prompts need (a static-shape device prepares a
-    graph per past bucket; the prefill engine plans its own the same way)."""
+    """`shapes` plus the past buckets the checks' prompts need where none of its own holds them (a
+    static-shape device prepares a graph per past bucket, as the prefill engine plans them)."""
     longest = max([c + c // 2 for c in shapes.prefill_chunks]
                   + [max(decode_lengths(w, n, steps)) for w, n in shapes.decode])
     past = set(shapes.prefill_past)
     for chunk in shapes.prefill_chunks:
-        if longest > chunk:
-            past |= set(past_buckets(chunk, longest))
+        need = (longest - 1) // chunk * chunk  # the past of the last chunk of the longest prompt
+        if need and not any(b >= need for b in past):
+            past |= set(past_buckets(chunk, need))
     return dataclasses.replace(shapes, prefill_past=tuple(sorted(past)))
 
 
@@ -330,7 +340,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES)
     p.add_argument("--steps", type=int, default=8, help="decode steps per shape")
     p.add_argument("--logits-atol", type=float, default=None,
-                   help="max |logit diff| (default: TOLERANCES of the compute dtype)")
+                   help="max |logit diff| (default: TOLERANCES of the compute and KV dtypes)")
     p.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
 
 
@@ -352,7 +362,7 @@ def report(kind: str, checks: Sequence[Check], as_json: bool) -> int:
 
 def run(args: argparse.Namespace, shapes: GraphShapes | None = None) -> int:
     shapes = shapes or shapes_of(args)
-    tol = TOLERANCES[short_dtype(shapes.dtype)]
+    tol = tolerance(shapes.dtype, shapes.kv_dtype)
     if args.logits_atol is not None:
         tol = dataclasses.replace(tol, logits=args.logits_atol)
     try:

@@ -71,11 +71,11 @@ class Tolerance:
 
 
 # Measured against transformers on the embedded SmolLM2 with the default shapes (docs/devices.md,
-# "Conformance"): the worst seen, then about 2x. fp32 compute with 16-bit KV rounds the K/V each
-# later layer and step attends over; bf16 compute is compared with transformers in bf16.
+# "Conformance" has the figures): the worst seen, then about 2x. fp32 compute with 16-bit KV rounds
+# the K/V each later layer and step attends over; bf16 compute is compared with transformers in bf16.
 TOLERANCES = {"fp32": Tolerance(logits=1e-3, kv=1e-4, tie=1e-3),
-              "fp32, 16-bit KV": Tolerance(logits=0.3, kv=0.02, tie=0.3),
-              "bf16": Tolerance(logits=1.5, kv=0.05, tie=1.0)}
+              "fp32, 16-bit KV": Tolerance(logits=0.3, kv=0.05, tie=0.3),
+              "bf16": Tolerance(logits=1.5, kv=0.2, tie=1.0)}
 
 
 def tolerance(dtype: Any, kv_dtype: Any) -> Tolerance:

@@ -13,7 +13,6 @@ only when a reference is loaded, with an install hint when it is missing.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -36,26 +35,18 @@ def _transformers() -> Any:
     return transformers
 
 
-@functools.lru_cache(maxsize=2)
-def _load_fp32(path: str | None) -> Any:
-    """transformers' model of a checkpoint in fp32, once per process (a load takes ~15-40 s here)."""
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str | None = None, dtype: Any = "fp32") -> Any:
+    """transformers' model of the checkpoint at `path` (None: the embedded model) in `dtype`, loaded
+    by transformers itself in that dtype (as its users load it: a bf16 load keeps RoPE's inverse
+    frequencies in fp32, a converted fp32 model would round them), once per process (~15-40 s)."""
     ckpt = open_checkpoint(path)
     where = ckpt.path
-    kwargs = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if where.is_file():  # a GGUF: transformers dequantizes it with its own loader
         where, kwargs["gguf_file"] = where.parent, where.name
     model = _transformers().AutoModelForCausalLM.from_pretrained(str(where), **kwargs)
     return model.eval()
-
-
-@functools.lru_cache(maxsize=4)
-def hf_model(path: str | None = None, dtype: Any = "fp32") -> Any:
-    """transformers' model of the checkpoint at `path` (None: the embedded model) in `dtype`, cached
-    per process; a bf16 one is a converted copy of the fp32 load, as transformers' own bf16 load is."""
-    fp32 = _load_fp32(path)
-    if short_dtype(dtype) == "fp32":
-        return fp32
-    return copy.deepcopy(fp32).to(torch_dtype(dtype)).eval()
 
 
 def _layers_kv(cache: Any) -> list[tuple[Tensor, Tensor]]:

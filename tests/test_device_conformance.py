@@ -56,7 +56,7 @@ def test_tolerances_hold_a_near_tie_but_not_a_different_token() -> None:
 
     ref = torch.tensor([[1.0, 3.0, 2.95], [5.0, 0.0, 0.0]])
     near = torch.tensor([[1.0, 2.9, 2.96], [5.0, 0.0, 0.0]])  # token 2 instead of 1: margin 0.05
-    assert conformance.compare_tokens(near, ref, 0.1) == (1, [pytest.approx(0.05)])
+    assert conformance.compare_tokens(near, ref) == (1, [pytest.approx(0.05)])
     ok, detail = conformance._verdict(near, ref, conformance.TOLERANCES["fp32, 16-bit KV"])
     assert ok and "1 differ" in detail
     far = torch.tensor([[1.0, 3.0, 2.95], [0.0, 0.0, 5.0]])  # a wrong token with a margin of 5

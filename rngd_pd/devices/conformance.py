@@ -125,7 +125,7 @@ def prefill_chunked(dev: DeviceRuntime, ids: Sequence[int], chunk: int, kv_dtype
     return dev.to_host(logits).float(), kv
 
 
-def compare_tokens(got: Any, ref: Any, tie: float) -> tuple[int, list[float]]:
+def compare_tokens(got: Any, ref: Any) -> tuple[int, list[float]]:
     """(positions where the device's greedy token is not the reference's, the reference's margin
     at each of them: its top logit minus its logit of the device's token). got, ref: [N, vocab]."""
     mine = got.argmax(-1)
@@ -138,7 +138,7 @@ def compare_tokens(got: Any, ref: Any, tie: float) -> tuple[int, list[float]]:
 def _verdict(got: Any, ref: Any, tol: Tolerance) -> tuple[bool, str]:
     """Logits within tol.logits, tokens the reference's but for near-ties; a one-line detail."""
     worst = float((got - ref).abs().max())
-    n, margins = compare_tokens(got, ref, tol.tie)
+    n, margins = compare_tokens(got, ref)
     far = [m for m in margins if m > tol.tie]
     detail = f"logits max|diff| {worst:.3g}; tokens {len(got) - n}/{len(got)} the reference's"
     if n:

@@ -43,16 +43,13 @@ def smollm(engine_model):
 
 @pytest.fixture(scope="session")
 def hf_smollm():
-    """The transformers oracle on the same GGUF, fp32 (transformers is a test dependency only)."""
-    import torch
-    import transformers  # a test dependency (make setup), imported where the oracle is first needed
+    """The transformers oracle on the same GGUF, fp32 (transformers is a test dependency only); the
+    same process-wide load the device conformance's reference uses (rngd_pd.model.reference)."""
+    import transformers  # noqa: F401 - a test dependency (make setup): missing, this fails, never skips
 
-    from rngd_pd.model import embedded_model_path
+    from rngd_pd.model.reference import hf_model
 
-    path = embedded_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return hf_model(None, "fp32")
 
 
 @pytest.fixture(scope="session")

@@ -480,8 +480,11 @@ class _InProcess:
 
     def __init__(self, worker):
         self.worker = worker
+        self.decode_rows: list[int] = []  # rows of each decode step asked of the worker
 
     def call(self, op, tensors=(), **args):
+        if op == "decode":
+            self.decode_rows.append(int(tensors[0].shape[0]))
         msg, ts = messages.read_message(io.BytesIO(messages.pack_message({"op": op, **args}, list(tensors))))
         header, out = self.worker.answer(msg, ts)
         header, out = messages.read_message(io.BytesIO(messages.pack_message(header, out)))
@@ -490,29 +493,69 @@ class _InProcess:
         return header, out
 
 
+def _card_on_cpu_graphs(smollm, dtype):
+    """(RngdRuntime over an in-process CardWorker whose graphs torch.export built and the CPU runs,
+    its message channel) on a copy of the embedded model in `dtype`."""
+    from rngd_pd.model.llama import Llama
+
+    model = Llama(smollm.config, dtype)
+    model.load_state_dict(smollm.model.state_dict())
+    loaded = dataclasses.replace(smollm, model=model.eval())
+    worker = rngd_graphs.CardWorker(loaded.model, torch.device("cpu"), lambda ep, name: ep.module())
+    channel = _InProcess(worker)
+    return rngd.RngdRuntime.over(channel, RNGD0, loaded), channel
+
+
 @pytest.mark.slow
-def test_rngd_runtime_and_card_worker_conform_on_cpu_graphs():
+def test_rngd_runtime_and_card_worker_conform_on_cpu_graphs(smollm, hf_smollm):
     """Everything RngdRuntime and its worker do besides furiosa's compile and device (the graphs,
     per layer and head, compiled here by torch.export and run on the CPU): device conformance
-    against the CPU reference, fp32, tokens equal. Prefill of a full chunk and of 1.5 chunks (the
-    second after a past padded to its bucket), decode of 2 rows at their own lengths (a width
-    padded by the worker where fewer rows run), KV through a card-resident cache and back."""
-    from rngd_pd.commands import device_conformance as conformance
-    from rngd_pd.devices.torch_runtime import as_runtime
-    from rngd_pd.model import load_model
+    against transformers, fp32 compute and KV (logits within 1e-3). Prefill of a full chunk and of
+    1.5 chunks (the second after a past padded to its bucket), decode of 2 rows at their own lengths
+    and of 1 row in slot 1 of the 2 (the worker pads the width), KV through a card-resident cache."""
+    from rngd_pd.devices import conformance
+    from rngd_pd.model.reference import Reference
 
-    loaded = load_model(None, dtype=torch.float32, progress=False)
-    worker = rngd_graphs.CardWorker(loaded.model, torch.device("cpu"), lambda ep, name: ep.module())
-    dev = rngd.RngdRuntime.over(_InProcess(worker), RNGD0, loaded)
-    ref = as_runtime(load_model(None, dtype=torch.float32, progress=False))
+    dev, channel = _card_on_cpu_graphs(smollm, torch.float32)
     shapes = GraphShapes(prefill_chunks=(16,), decode=((2, 64),), dtype="fp32", kv_dtype="fp32")
-    checks = conformance.run_checks(dev, ref, shapes, steps=4, atol=1e-4, rtol=1e-3)
-    print(conformance.format_table("rngd (CPU graphs)", checks))
-    assert [c.name for c in checks] == ["prepare", "prefill", "prefill", "decode", "kv"]
-    assert all(c.ok for c in checks), conformance.format_table("rngd (CPU graphs)", checks)
+    tol = conformance.tolerance("fp32", "fp32")
+    checks = conformance.run_checks(dev, Reference.load(None, "fp32"), shapes, 4, tol)
+    table = conformance.format_table("rngd (CPU graphs)", checks)
+    print(table)
+    assert [c.name for c in checks] == ["prepare", "prefill", "prefill", "decode", "decode", "kv"], table
+    assert all(c.ok for c in checks), table
+    assert "rows 1 of 2 in slots [1]" in checks[4].detail
+    assert set(channel.decode_rows) == {2, 1}  # the full width ran, and the padded one
     assert {"prefill_layer_t16", "prefill_head_t16", "prefill_layer_t16_l16", "decode_layer_b2_l64",
-            "decode_head_b2"} <= set(worker.graphs)
+            "decode_head_b2"} <= set(channel.worker.graphs)
     with pytest.raises(ConfigError, match="longer than the longest RNGD prefill graph"):
         dev.prefill(dev.tokens(list(range(1, 40))))
     with pytest.raises(RngdPdError, match="no memory query"):
         dev.memory()
+
+
+@pytest.mark.slow
+def test_card_worker_conforms_in_bf16_at_the_configured_shapes_with_padded_rows(smollm, hf_smollm):
+    """The card path in what it serves (bf16 compute and KV: the RNGD graphs' dtype) at the shapes
+    the rngd configs ask for where they fit a test (rngd.configured_shapes: prefill chunk 512 and
+    its first past bucket, 512; decode width 8 (num_slots) at the 512 bucket), against transformers
+    in bf16: decode full and with 3 rows in slots [7, 5, 2], which the worker pads to 8."""
+    from rngd_pd.devices import conformance
+    from rngd_pd.model.reference import Reference
+
+    configured = rngd.configured_shapes()
+    assert (configured.dtype, configured.kv_dtype) == ("bf16", "bf16")
+    shapes = dataclasses.replace(configured, prefill_past=configured.prefill_past[:1],
+                                 decode=configured.decode[:1])
+    assert shapes.prefill_chunks == (512,) and shapes.prefill_past == (512,) and shapes.decode == ((8, 512),)
+    dev, channel = _card_on_cpu_graphs(smollm, torch.bfloat16)
+    tol = conformance.tolerance("bf16", "bf16")
+    checks = conformance.run_checks(dev, Reference.load(None, "bf16"), shapes, 4, tol)
+    table = conformance.format_table("rngd (CPU graphs, bf16)", checks)
+    print(table)
+    assert [c.name for c in checks] == ["prepare", "prefill", "prefill", "decode", "decode", "kv"], table
+    assert all(c.ok for c in checks), table
+    assert "rows 3 of 8 in slots [7, 5, 2]" in checks[4].detail
+    assert set(channel.decode_rows) == {8, 3}
+    graphs = set(channel.worker.graphs)
+    assert {"prefill_layer_t512", "prefill_layer_t512_l512", "decode_layer_b8_l512"} <= graphs

@@ -216,6 +216,9 @@ RNGD_PD_TEST_READY_TIMEOUT = _var("RNGD_PD_TEST_READY_TIMEOUT", float, 180.0, (T
                                   "seconds a test waits for a tritonserver to become ready")
 CI = _var("CI", bool, False, (TESTS,),
           "set by CI (.ci/run): a test skipped for a reason outside tests/skips.py's allow-list fails")
+RNGD_PD_FAULT_TIMINGS = _var("RNGD_PD_FAULT_TIMINGS", Path, None, (TESTS,),
+                             "tests/test_e2e_faults.py writes its recovery timings to this JSON file "
+                             "(unset: only printed)")
 
 
 def main() -> int:

@@ -170,6 +170,7 @@ class DecodeService:
     def close(self) -> None:
         self.engine.stop()
         self.transport.close()
+        self.loaded.close()  # lets go of the weight store
 
 
 class DecodeModel:

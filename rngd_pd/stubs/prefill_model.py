@@ -53,6 +53,7 @@ class PrefillService:
 
     def close(self) -> None:
         self.transport.close()
+        self.loaded.close()  # lets go of the weight store
 
 
 def kv_events_publisher(args: Mapping[str, Any]) -> ZmqPublisher | NullPublisher:

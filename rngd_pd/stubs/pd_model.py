@@ -15,6 +15,7 @@ iterator, so it stays BLS.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from rngd_pd import errors
 from rngd_pd.engine.colocated import ColocatedEngine
 from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
+from rngd_pd.engine.switch import Gate, WeightSwitch
 from rngd_pd.engine.workers import RequestPool
 from rngd_pd.host.stubs import SiblingWatch
 from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
@@ -35,6 +37,7 @@ from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, model_param
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
+from rngd_pd.wire.weights import DRAIN_S
 
 
 class _GenerationModel:
@@ -52,6 +55,7 @@ class _GenerationModel:
         self.metrics = triton_metrics(self.name)
         self.responses = ResponseLoop(self.name, fence=fence, idle=idle, health=health)
         self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
+        self.control = RequestPool(f"{self.name}-weights", 1, 4)  # weight operations, one at a time
         self.load_gauges: Any = None  # pd's, on a gateway (metrics.load_gauges)
 
     def execute(self, requests: list) -> None:
@@ -59,10 +63,26 @@ class _GenerationModel:
             stream = self.responses.open(request, self.spec)
             if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
                 stream.in_band = _in_band_error
+            op = pbutils.input_scalar(request, T.WEIGHTS_OP)
             try:
-                self.pool.submit(self._work, request, stream)
+                if op:
+                    self.control.submit(self._control, op, stream)
+                else:
+                    self.pool.submit(self._work, request, stream)
             except Exception as exc:
                 stream.fail(exc)
+
+    def _control(self, text: str, stream: Stream) -> None:
+        try:
+            state = self._weights(text)
+        except BaseException as exc:
+            stream.fail(exc)
+            return
+        stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "", T.WEIGHTS_STATE: [json.dumps(state)]}, final=True)
+
+    def _weights(self, text: str) -> dict[str, Any]:
+        """A weight operation (pd: rngd_pd.engine.switch)."""
+        raise errors.ConfigError(f"{self.name} takes no weight operations; send them to pd")
 
     def _work(self, request: Any, stream: Stream) -> None:
         try:
@@ -104,6 +124,7 @@ class _GenerationModel:
             self.load_gauges.close()
         self.responses.close()
         self.pool.close()
+        self.control.close()
         self.metrics.close()
 
 
@@ -133,12 +154,33 @@ class PdModel(_GenerationModel):
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
                                          local_prefill_when=p.local_prefill_when, connect=GrpcClient)
+        self.gate = Gate()  # closed while the weights switch (rngd_pd.engine.switch)
+        self.switch = WeightSwitch(prefill, decode, self.gate, prefill_model=p.prefill_model,
+                                   decode_model=p.decode_model)
 
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
-        return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
+        with self.gate.passage(cancelled):
+            return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
+
+    def _weights(self, text: str) -> dict[str, Any]:
+        """`{"op": "apply_delta", "checkpoint": DIR, "drain_s": S}` or `{"op": "state"}`."""
+        try:
+            op = json.loads(text)
+            kind = op["op"]
+        except (ValueError, KeyError, TypeError):
+            raise errors.ConfigError(f"weights_op must be a JSON object with \"op\", "
+                                     f"got {text[:200]!r}") from None
+        if kind == "apply_delta" and op.get("checkpoint"):
+            result = self.switch.apply_delta(str(op["checkpoint"]), float(op.get("drain_s", DRAIN_S)))
+            pbutils.log(f"pd: weight update {json.dumps(result)}")
+            return result
+        if kind == "state":
+            return self.switch.state()
+        raise errors.ConfigError("pd's weight operations are apply_delta (with checkpoint) and state, "
+                                 f"got {kind!r}")
 
     def finalize(self) -> None:
         super().finalize()

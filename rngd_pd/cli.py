@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "device-conformance": "rngd_pd.commands.device_conformance",
     "devices": "rngd_pd.commands.devices",
     "apply-delta": "rngd_pd.commands.apply_delta",
+    "swap": "rngd_pd.commands.swap",
 }
 
 

@@ -94,6 +94,7 @@ class TorchRuntime:
         weights if this instance packed its current ones. Serving goes on meanwhile."""
         if self.device.kind == "cuda":
             loaded.model.to(self.torch_device)
+        loaded.model.pack = self.loaded.model.pack
         if self.loaded.model._packing_done:
             loaded.model.prepare_decode()
 

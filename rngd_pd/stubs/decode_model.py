@@ -193,7 +193,9 @@ class DecodeModel:
         p = transport_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
-        self.service = DecodeService(load_for(p, args, "decode"), transport_for(p), p.kv_dtype,
+        runtime = load_for(p, args, "decode")
+        runtime.loaded.model.pack = p.pack_weights
+        self.service = DecodeService(runtime, transport_for(p), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport),
                                      local_prefill_tokens=p.local_prefill_tokens)

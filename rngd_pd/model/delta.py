@@ -31,11 +31,10 @@ from rngd_pd.errors import ModelLoadError
 from rngd_pd.host.shm_refs import Root, store_root
 from rngd_pd.model.checkpoint import open_checkpoint
 from rngd_pd.model.config import ModelConfig
-from rngd_pd.model.gguf_loader import GGUFCheckpoint
-from rngd_pd.model.hf_loader import HFCheckpoint
 from rngd_pd.model.layout import layout, owners, row_ranges
 from rngd_pd.model.store import (
     TENSORS,
+    Checkpoint,
     Progress,
     WeightStore,
     key_of,
@@ -44,8 +43,6 @@ from rngd_pd.model.store import (
     write_manifest,
     write_tensor,
 )
-
-Checkpoint = GGUFCheckpoint | HFCheckpoint
 
 
 @dataclass

@@ -39,8 +39,9 @@ from torch import Tensor
 from rngd_pd.config.dtypes import short_dtype, torch_dtype
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.host.shm_refs import Hold, Root, store_root
-from rngd_pd.model.checkpoint import open_checkpoint
 from rngd_pd.model.config import ModelConfig
+from rngd_pd.model.gguf_loader import GGUFCheckpoint
+from rngd_pd.model.hf_loader import HFCheckpoint
 from rngd_pd.model.layout import serving_tensors
 
 VERSION = 1
@@ -48,6 +49,7 @@ MANIFEST = "manifest.json"
 TENSORS = "t"
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
+Checkpoint = GGUFCheckpoint | HFCheckpoint
 
 
 def digest(data: Any) -> str:
@@ -116,10 +118,11 @@ def key_of(fingerprint: str, dtype: torch.dtype) -> str:
     return f"{fingerprint}-{short_dtype(dtype)}"
 
 
-def open_store(path: str | None, dtype: torch.dtype, fingerprint: str, *, root: Root | None = None,
+def open_store(ckpt: Checkpoint, dtype: torch.dtype, fingerprint: str, *, root: Root | None = None,
                progress: Progress | None = None) -> WeightStore:
-    """Map the current generation of checkpoint `path` (fingerprint: rngd_pd.model.weights.fingerprint
-    of it) in `dtype`, building it first when no process on this host has."""
+    """Map the current generation of the opened checkpoint `ckpt` (fingerprint:
+    rngd_pd.model.weights.fingerprint of it) in `dtype`, building it first when no process on this
+    host has."""
     root = root or store_root()
     base = key_of(fingerprint, dtype)
     for _ in range(8):  # a generation can vanish between finding it and holding it: look again
@@ -129,7 +132,7 @@ def open_store(path: str | None, dtype: torch.dtype, fingerprint: str, *, root: 
             hold = root.build(base)
             if hold.path.name != base:
                 try:
-                    write_generation(hold.path, path, dtype, fingerprint, base, progress)
+                    write_generation(hold.path, ckpt, dtype, fingerprint, base, progress)
                     root.publish(hold, base)
                 except BaseException:
                     hold.release()
@@ -142,11 +145,10 @@ def open_store(path: str | None, dtype: torch.dtype, fingerprint: str, *, root: 
     raise ModelLoadError(f"{root.path}: the weight store of {base} kept disappearing while being opened")
 
 
-def write_generation(directory: Path, path: str | None, dtype: torch.dtype, fingerprint: str, base: str,
+def write_generation(directory: Path, ckpt: Checkpoint, dtype: torch.dtype, fingerprint: str, base: str,
                      progress: Progress | None = None) -> None:
     """Convert the whole checkpoint into `directory` (a building directory this process holds)."""
     t0 = time.monotonic()
-    ckpt = open_checkpoint(path)
     config = ckpt.config()
     sources, hashed = source_digests(ckpt.raw_tensors())
     (directory / TENSORS).mkdir()

@@ -80,7 +80,7 @@ def load_shared(path: str | None = None, *, dtype: torch.dtype = torch.float32,
     ckpt = open_checkpoint(path)
     config = ckpt.config()
     tokenizer = ckpt.tokenizer(config)
-    store = open_store(path, dtype, fingerprint(config, ckpt.files), root=root, progress=progress)
+    store = open_store(ckpt, dtype, fingerprint(config, ckpt.files), root=root, progress=progress)
     try:
         return from_store(store, config, tokenizer, str(ckpt.path))
     except BaseException:

@@ -90,6 +90,20 @@ def memory(pid: int, root: str) -> dict[str, int]:
     return {k: v >> 10 for k, v in out.items()}
 
 
+def settle(server_pid: int, model: str, timeout_s: float = 600.0) -> None:
+    """Wait until `model` has one stub: the variant a swap replaced has unloaded. (A reload that began
+    while the previous one's old instance was still unloading ended in a SIGSEGV of tritonserver
+    2.51 once here; not investigated further.)"""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            E.stub_pid(server_pid, model)
+            return
+        except AssertionError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{model} still has more than one stub after {timeout_s:.0f} s")
+
+
 def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -127,6 +141,7 @@ def run(model: str, d: Path, out: Path) -> list[dict]:
         variants.append(("swap back, maps the store", {"num_slots": "8", "weight_store": "true"}))
         for label, params in variants:
             progress(label)
+            settle(server.proc.pid, "decode")
             r = swap(server.http_url, "decode", params)
             row = {"what": label, "params": params, "load_s": r.load_s, "first_token_s": r.first_token_s}
             if "false" in params.values():

@@ -21,7 +21,8 @@ from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
 pytestmark = pytest.mark.e2e
-TOKENS = 16
+TOKENS = E.MAX_TOKENS
+PROMPTS = E.PROMPTS[:3]
 PD_OUT = ("output_ids", "finish_reason")
 EXPLICIT = ("--model-control-mode=explicit", "--load-model=*")
 
@@ -44,8 +45,11 @@ def _one_new_stub(server_pid: int, model: str, old: int, timeout_s: float = 120.
     return False
 
 
+# A swap starts two stub processes one after the other (Triton's config completion, then the
+# instance): on this 2-core host under other sessions' load (load average 17-47) that took 6 min.
+@pytest.mark.timeout(1800)
 def test_a_decode_swap_under_8_streams_fails_nothing() -> None:
-    refs = {t: list(E.reference(t, TOKENS)[0]) for t in E.PROMPTS}
+    refs = {t: list(E.reference(t, TOKENS)[0]) for t in PROMPTS}
     store = f"/dev/shm/rngd-pd-e2e-weights-{uuid.uuid4().hex[:8]}"
     kv = tempfile.mkdtemp(prefix="rngd-pd-e2e-shm-", dir="/dev/shm")
     env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": kv, "RNGD_PD_WEIGHT_STORE": store}
@@ -53,14 +57,14 @@ def test_a_decode_swap_under_8_streams_fails_nothing() -> None:
         with triton_server(E.subset_repository(("prefill", "decode", "pd")), "cpu", env,
                            extra_args=EXPLICIT) as server:
             old_decode = E.stub_pid(server.proc.pid, "decode")
-            assert _pd(server, E.PROMPTS[0]) == refs[E.PROMPTS[0]]
+            assert _pd(server, PROMPTS[0]) == refs[PROMPTS[0]]
             results: list[tuple[str, list[int]]] = []
             failures: list[BaseException] = []
 
             def client(i: int) -> None:
                 try:
-                    for k in range(3):
-                        t = E.PROMPTS[(i + k) % len(E.PROMPTS)]
+                    for k in range(2):
+                        t = PROMPTS[(i + k) % len(PROMPTS)]
                         results.append((t, _pd(server, t)))
                 except BaseException as exc:
                     failures.append(exc)
@@ -73,11 +77,11 @@ def test_a_decode_swap_under_8_streams_fails_nothing() -> None:
             for t in threads:
                 t.join(600)
             assert not failures, failures
-            assert len(results) == 24 and all(ids == refs[t] for t, ids in results)
+            assert len(results) == 16 and all(ids == refs[t] for t, ids in results)
             assert model_config(server.http_url, "decode")["parameters"]["num_slots"]["string_value"] == "16"
             assert _one_new_stub(server.proc.pid, "decode", old_decode)  # the old one unloaded
             assert report.first_token_s is not None and report.first_token_s >= report.load_s
-            for t in E.PROMPTS:
+            for t in PROMPTS:
                 assert _pd(server, t) == refs[t]
             (generation,) = [p for p in Path(store).iterdir() if p.is_dir()]
             deadline = time.monotonic() + 60

@@ -1,8 +1,9 @@
 """e2e: `rngd-pd swap` reloads decode as another variant (num_slots 8 -> 16) on a running server in
-explicit model-control mode, under 8 streams: no request fails, every request's tokens are the
-reference's (a fresh server's: decode is batch-invariant, so any variant gives them), the new
-instance maps the weights from the store instead of reading the checkpoint, and the old one lets go
-of it when it unloads."""
+explicit model-control mode, under 8 streams: pd holds new requests while running ones finish and
+Triton reloads (2.51 can crash reloading a model with requests in flight, server issue #7723), no
+request fails, every request's tokens are the reference's (a fresh server's: decode is
+batch-invariant, so any variant gives them), the new instance maps the weights from the store instead
+of reading the checkpoint, and the old one lets go of it when it unloads."""
 
 from __future__ import annotations
 

@@ -112,3 +112,28 @@ def test_one_update_at_a_time():
             switch.apply_delta("/ckpt")
     finally:
         switch._lock.release()
+
+
+def test_a_hold_drains_and_keeps_new_requests_waiting_until_released():
+    switch, gate, _ = _switch()
+    entered = threading.Event()
+
+    def late_request():
+        with gate.passage():
+            entered.set()
+
+    state = switch.hold(drain_s=5, max_hold_s=30)
+    assert state["held"]
+    t = threading.Thread(target=late_request)
+    t.start()
+    assert not entered.wait(0.5)  # held
+    switch.release()
+    assert entered.wait(5)
+    t.join(5)
+
+
+def test_a_hold_nobody_releases_ends_by_itself():
+    switch, gate, _ = _switch()
+    switch.hold(drain_s=5, max_hold_s=0.3)
+    with gate.passage():  # waits at most max_hold_s
+        pass

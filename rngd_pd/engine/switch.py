@@ -93,6 +93,7 @@ class WeightSwitch:
         self.prefill, self.decode, self.gate = prefill, decode, gate
         self.prefill_model, self.decode_model = prefill_model, decode_model
         self._lock = threading.Lock()
+        self._hold: threading.Timer | None = None
 
     def _prefill_op(self, op: dict[str, Any]) -> dict[str, Any]:
         return state_of(self.prefill.infer(self.prefill_model, op_inputs("prefill", op), (T.WEIGHTS_STATE,)))
@@ -145,6 +146,29 @@ class WeightSwitch:
             self.gate.reopen()
         log.info("weights switched to %s: %s", fingerprint, json.dumps(steps))
         return {**report, "switched": True, "steps_s": steps, "seconds_total": time.monotonic() - t0}
+
+    def hold(self, drain_s: float = DRAIN_S, max_hold_s: float = 600.0) -> dict[str, Any]:
+        """Close the gate and wait until no request runs (for a variant swap: Triton 2.51 can crash
+        reloading a model that has requests in flight, server issue #7723); new requests wait until
+        `release`, or `max_hold_s` if the caller never releases."""
+        t0 = time.monotonic()
+        if self._hold is not None:  # a hold before this one that was never released
+            self._hold.cancel()
+        if not self.gate.drain(drain_s):
+            raise errors.CapacityError(f"requests were still running {drain_s:.0f} s into the hold; "
+                                       "nothing was held")
+        self._hold = threading.Timer(max_hold_s, self.gate.reopen)
+        self._hold.daemon = True
+        self._hold.start()
+        return {"held": True, "drain_s": time.monotonic() - t0, "max_hold_s": max_hold_s}
+
+    def release(self) -> dict[str, Any]:
+        """Reopen the gate after `hold`."""
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
+        self.gate.reopen()
+        return {"held": False}
 
     def _abort(self) -> None:
         for op in (self._prefill_op, self._decode_op):

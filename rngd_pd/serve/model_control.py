@@ -2,13 +2,17 @@
 model-control `load` with a config override), and the time to the first token after it.
 
 Triton loads the new instances beside the serving ones, routes new requests to them once they are
-ready and unloads the old ones when their requests are done: requests in flight finish on the old
-variant, new ones go to the new one, none fails. The new instance maps the weights from the host's
-weight store (rngd_pd.model.store: the generation serving now, after a partial update too) instead of
-reading the checkpoint, so it is ready in the time its own state takes (packed decode weights, KV
-slots). The server must run with `--model-control-mode=explicit` (`rngd-pd serve` does).
+ready and unloads the old ones. Triton 2.51 can crash reloading a model that has requests in flight
+(server issue #7723; seen here twice, SIGSEGV then heap corruption, right after the new decode was
+loaded under 8 streams), so the swap holds pd's gate around the reload (`hold`, rngd_pd.engine.switch):
+requests in flight finish on the old variant first, new ones wait at the gate during the reload and
+then run on the new variant; none fails. Requests sent to the model without pd are not held. The
+new instance maps the weights from the host's weight store (rngd_pd.model.store: the generation
+serving now, after a partial update too) instead of reading the checkpoint, so it is ready in the time
+its own state takes (packed decode weights, KV slots). The server must run with
+`--model-control-mode=explicit` (`rngd-pd serve` does).
 
-Stdlib only (HTTP to Triton's endpoints).
+Torch-free (HTTP to Triton's endpoints).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rngd_pd.errors import RngdPdError
+from rngd_pd.wire import weights
+from rngd_pd.wire.weights import DRAIN_S
 
 PROBE_IDS = [1, 504, 3458, 282, 4649, 314]  # a short prompt (any ids below the vocabulary size)
 
@@ -86,12 +92,20 @@ def first_token(url: str, model: str = "pd", ids: list[int] | None = None, timeo
     return time.monotonic() - t0
 
 
-def swap(url: str, model: str, params: dict[str, str], probe: str | None = "pd") -> SwapReport:
+def swap(url: str, model: str, params: dict[str, str], probe: str | None = "pd", hold: str | None = "pd",
+         drain_s: float = DRAIN_S) -> SwapReport:
     """Reload `model` with `params` changed; with `probe`, also the time from the start to the first
-    token of a request through that model on the new variant."""
+    token of a request through that model on the new variant. With `hold` (pd), pd's gate is held
+    around the reload (module docstring)."""
     t0 = time.monotonic()
     config = with_params(model_config(url, model), params)
-    load(url, model, config)
+    if hold:
+        weights.call(url, {"op": "hold", "drain_s": drain_s, "max_hold_s": 900.0}, model=hold)
+    try:
+        load(url, model, config)
+    finally:
+        if hold:
+            weights.call(url, {"op": "release"}, model=hold)
     report = SwapReport(model, dict(params), load_s=time.monotonic() - t0, config=config)
     if probe:
         first_token(url, probe)

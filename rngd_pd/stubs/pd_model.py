@@ -166,7 +166,8 @@ class PdModel(_GenerationModel):
             return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
 
     def _weights(self, text: str) -> dict[str, Any]:
-        """`{"op": "apply_delta", "checkpoint": DIR, "drain_s": S}` or `{"op": "state"}`."""
+        """`{"op": "apply_delta", "checkpoint": DIR, "drain_s": S}`, `{"op": "hold", "drain_s": S,
+        "max_hold_s": S}` / `{"op": "release"}` (around a variant swap), or `{"op": "state"}`."""
         try:
             op = json.loads(text)
             kind = op["op"]
@@ -179,8 +180,12 @@ class PdModel(_GenerationModel):
             return result
         if kind == "state":
             return self.switch.state()
-        raise errors.ConfigError("pd's weight operations are apply_delta (with checkpoint) and state, "
-                                 f"got {kind!r}")
+        if kind == "hold":
+            return self.switch.hold(float(op.get("drain_s", DRAIN_S)), float(op.get("max_hold_s", 600.0)))
+        if kind == "release":
+            return self.switch.release()
+        raise errors.ConfigError("pd's weight operations are apply_delta (with checkpoint), hold, release "
+                                 f"and state, got {kind!r}")
 
     def finalize(self) -> None:
         super().finalize()

@@ -169,6 +169,7 @@ class SiblingWatch:
         self.watch = StubWatch(proc)
         self._next = 0.0
         self.failure: Failure | None = None
+        self.paused = False
 
     def _instances(self) -> list[Stub]:
         """The watched models' instance stubs now: the config-completing stubs Triton runs while
@@ -187,8 +188,18 @@ class SiblingWatch:
         self.watch.stubs.update({s.instance: s for s in living})
         return True
 
+    def pause(self) -> None:
+        """Stop watching while a watched model is unloaded on purpose (a variant swap)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Watch again, learning the stubs anew once every watched model is up."""
+        self.watch.stubs, self.failure, self.paused = {}, None, False
+
     def check(self, now: float | None = None) -> RngdPdError | None:
         """The error for requests in flight when a watched stub died (once died, always)."""
+        if self.paused:
+            return None
         now = time.monotonic() if now is None else now
         if self.failure is None and now >= self._next:
             self._next = now + self.every_s

@@ -1,12 +1,14 @@
 """Variant swap: reload one model of a running tritonserver with changed parameters (Triton's
 model-control `load` with a config override), and the time to the first token after it.
 
-Triton loads the new instances beside the serving ones, routes new requests to them once they are
-ready and unloads the old ones. Triton 2.51 can crash reloading a model that has requests in flight
-(server issue #7723; seen here twice, SIGSEGV then heap corruption, right after the new decode was
-loaded under 8 streams), so the swap holds pd's gate around the reload (`hold`, rngd_pd.engine.switch):
-requests in flight finish on the old variant first, new ones wait at the gate during the reload and
-then run on the new variant; none fails. Requests sent to the model without pd are not held. The
+Not Triton's side-by-side reload: in Triton 2.51 the new instances of a reloaded Python model share
+its custom metrics (the airm_* families) with the old ones, and when the old ones unload they destroy
+them under the new ones (server issue #8663; here tritonserver died with SIGSEGV / SIGABRT right after
+every reloaded decode came up, with and without requests in flight; reloading under requests is a
+second known crash, #7723). So the swap holds pd's gate (`hold`, rngd_pd.engine.switch: requests in
+flight finish on the old variant, new ones wait), unloads the model, loads it with the override and
+releases the gate: no request fails, and new requests wait for the unload and the load. Requests sent
+to the model without pd are not held. The
 new instance maps the weights from the host's weight store (rngd_pd.model.store: the generation
 serving now, after a partial update too) instead of reading the checkpoint, so it is ready in the time
 its own state takes (packed decode weights, KV slots). The server must run with
@@ -83,6 +85,19 @@ def load(url: str, model: str, config: dict[str, Any] | None = None, timeout_s: 
     _http(url, f"/v2/repository/models/{model}/load", body, timeout_s)
 
 
+def unload(url: str, model: str, timeout_s: float = 600.0, poll_s: float = 0.2) -> None:
+    """Triton's model-control unload, and wait until the repository index no longer lists the
+    model READY (the unload call returns before its instances are gone)."""
+    _http(url, f"/v2/repository/models/{model}/unload", {})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        index = _http(url, "/v2/repository/index", {})
+        if not any(m.get("name") == model and m.get("state") in ("READY", "UNLOADING") for m in index):
+            return
+        time.sleep(poll_s)
+    raise RngdPdError(f"{_base(url)}: {model} was still loaded {timeout_s:.0f} s after its unload")
+
+
 def first_token(url: str, model: str = "pd", ids: list[int] | None = None, timeout_s: float = 300.0) -> float:
     """Seconds until a request through `model` has its first token from decode (2 tokens: the first
     is prefill's, the second decode's)."""
@@ -102,6 +117,7 @@ def swap(url: str, model: str, params: dict[str, str], probe: str | None = "pd",
     if hold:
         weights.call(url, {"op": "hold", "drain_s": drain_s, "max_hold_s": 900.0}, model=hold)
     try:
+        unload(url, model)  # not a side-by-side reload: module docstring
         load(url, model, config)
     finally:
         if hold:

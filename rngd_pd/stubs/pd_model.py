@@ -147,9 +147,9 @@ class PdModel(_GenerationModel):
         # stubs of the models reached by BLS are watched, so a dead one fails its waiting requests
         reached = ((p.prefill_model, p.prefill_url), (p.decode_model, p.decode_url))
         local = tuple(model for model, url in reached if not url)
-        watch = SiblingWatch(local).check if local else None
+        self.siblings = SiblingWatch(local) if local else None
         self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled,
-                           health=watch)
+                           health=self.siblings.check if self.siblings else None)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
@@ -180,9 +180,14 @@ class PdModel(_GenerationModel):
             return result
         if kind == "state":
             return self.switch.state()
-        if kind == "hold":
-            return self.switch.hold(float(op.get("drain_s", DRAIN_S)), float(op.get("max_hold_s", 600.0)))
+        if kind == "hold":  # a swap unloads a model pd watches: not a death (host.stubs.SiblingWatch)
+            state = self.switch.hold(float(op.get("drain_s", DRAIN_S)), float(op.get("max_hold_s", 600.0)))
+            if self.siblings is not None:
+                self.siblings.pause()
+            return state
         if kind == "release":
+            if self.siblings is not None:
+                self.siblings.resume()
             return self.switch.release()
         raise errors.ConfigError("pd's weight operations are apply_delta (with checkpoint), hold, release "
                                  f"and state, got {kind!r}")

@@ -20,6 +20,9 @@ from rngd_pd.errors import RngdPdError
 STUB_NAME = "triton_python_backend_stub"
 PROC = Path("/proc")
 _UNHEALTHY = re.compile(r"Stub process '([^']+)' is not healthy")
+# Triton's model control (`rngd-pd swap`): a model unloaded on purpose, a model (re)loaded
+_UNLOADING = re.compile(r'"unloading: (\w+):')
+_LOADED = re.compile(r"successfully loaded '(\w+)'")
 
 
 
@@ -119,23 +122,41 @@ class StubWatch:
         self.proc, self.stopped_s, self.clock = proc, stopped_s, clock
         self.stubs: dict[str, Stub] = {}
         self._unhealthy: deque[str] = deque()
+        self._control: deque[tuple[str, str]] = deque()  # ("unloading" | "loaded", model), from the log
         self._stopped: dict[int, float] = {}  # pid -> when it was first seen stopped
+        self._server_pid: int | None = None
 
     def snapshot(self, server_pid: int) -> list[Stub]:
         """Remember the stubs of `server_pid` as they are now (call when the server is ready)."""
         self._unhealthy.clear()
+        self._control.clear()
         self._stopped.clear()
+        self._server_pid = server_pid
         self.stubs = {s.instance: s for s in stub_processes(server_pid, self.proc)}
         return list(self.stubs.values())
 
     def log_line(self, line: str) -> None:
-        """Feed a tritonserver log line (any thread); a local instance reported unhealthy counts."""
+        """Feed a tritonserver log line (any thread); a local instance reported unhealthy counts, and
+        a model Triton unloads or loads on request (a variant swap) is forgotten or learnt anew."""
         match = _UNHEALTHY.search(line)
         if match:
             self._unhealthy.append(match[1])
+        elif match := _UNLOADING.search(line):
+            self._control.append(("unloading", match[1]))
+        elif match := _LOADED.search(line):
+            self._control.append(("loaded", match[1]))
+
+    def _follow_model_control(self) -> None:
+        while self._control:
+            what, model = self._control.popleft()
+            self.stubs = {k: s for k, s in self.stubs.items() if s.model != model}
+            if what == "loaded" and self._server_pid is not None:
+                self.stubs.update({s.instance: s for s in stub_processes(self._server_pid, self.proc)
+                                   if s.model == model and not s.completes_config})
 
     def check(self) -> Failure | None:
         """The first stub that is gone, defunct, replaced or reported unhealthy; None when all answer."""
+        self._follow_model_control()
         now = self.clock()
         for stub in self.stubs.values():
             st = _stat(stub.pid, self.proc)

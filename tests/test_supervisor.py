@@ -84,7 +84,7 @@ def test_a_model_unloaded_and_loaded_on_request_is_not_a_death(proc: Path) -> No
     the old stub's exit for a crash, and watches the new stub from then on."""
     watch = H.StubWatch(proc)
     watch.snapshot(SERVER)
-    watch.log_line('I1207 01:00:00.0 1 model_lifecycle.cc:660] "unloading: decode:1"')
+    watch.log_line(f'I1207 01:00:00.0 1 pbutils.py:192] "decode_0_0: {H.UNLOADING_LINE}"')
     shutil.rmtree(proc / "101")
     assert watch.check() is None
     write_proc(proc, 111, SERVER, stub_argv("decode"), start=2011)

@@ -20,8 +20,10 @@ from rngd_pd.errors import RngdPdError
 STUB_NAME = "triton_python_backend_stub"
 PROC = Path("/proc")
 _UNHEALTHY = re.compile(r"Stub process '([^']+)' is not healthy")
-# Triton's model control (`rngd-pd swap`): a model unloaded on purpose, a model (re)loaded
-_UNLOADING = re.compile(r'"unloading: (\w+):')
+# Triton's model control (`rngd-pd swap`): a model unloaded on purpose (its stubs say so in finalize,
+# before they exit; Triton 2.51 logs the unload only once they are gone), a model (re)loaded
+UNLOADING_LINE = "finalize: the instance unloads"
+_UNLOADING = re.compile(r'"(\w+?)(?:_\d+_\d+)?: ' + re.escape(UNLOADING_LINE))
 _LOADED = re.compile(r"successfully loaded '(\w+)'")
 
 

@@ -25,7 +25,7 @@ from rngd_pd.engine.colocated import ColocatedEngine
 from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
 from rngd_pd.engine.switch import Gate, WeightSwitch
 from rngd_pd.engine.workers import RequestPool
-from rngd_pd.host.stubs import SiblingWatch
+from rngd_pd.host.stubs import UNLOADING_LINE, SiblingWatch
 from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.stubs import pbutils
@@ -120,6 +120,7 @@ class _GenerationModel:
         return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
 
     def finalize(self) -> None:
+        pbutils.log(f"{self.name}: {UNLOADING_LINE}")  # serve's stub watch: not a crash
         if self.load_gauges is not None:
             self.load_gauges.close()
         self.responses.close()

@@ -23,12 +23,14 @@ from typing import Any
 
 from rngd_pd import errors
 from rngd_pd.host.shm_refs import store_root
+from rngd_pd.host.stubs import UNLOADING_LINE
 from rngd_pd.model.delta import apply_delta
 from rngd_pd.model.store import WeightStore, map_store
 from rngd_pd.model.weights import LoadedModel, from_store
 from rngd_pd.stubs import pbutils
 
 OPS = ("stage", "commit", "abort", "state")
+UNLOADING = UNLOADING_LINE
 
 
 class WeightsControl:
@@ -140,5 +142,8 @@ class WeightsControl:
             self.staged = None
 
     def close(self) -> None:
+        """At finalize: drop a staged generation, and say in the log that this instance unloads (serve's
+        stub watch reads it: a model unloaded on request, `rngd-pd swap`, is not a crash)."""
+        pbutils.log(f"{self.name}: {UNLOADING}")
         with self._lock:
             self._drop()

@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "conformance": "rngd_pd.commands.conformance",
     "device-conformance": "rngd_pd.commands.device_conformance",
     "devices": "rngd_pd.commands.devices",
+    "apply-delta": "rngd_pd.commands.apply_delta",
+    "swap": "rngd_pd.commands.swap",
 }
 
 

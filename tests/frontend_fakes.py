@@ -61,6 +61,10 @@ class FakeBackend:
     async def close(self) -> None:
         pass
 
+    async def weights(self, op: dict) -> dict:
+        """A weight operation on a model that has nothing to change."""
+        return {"checkpoint": op.get("checkpoint"), "changed": [], "switched": False}
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenChunk]:
         check_supported("fake", req.params, self.inputs)
         self.started.append(req.request_id)

@@ -79,6 +79,22 @@ def test_a_stub_that_died_is_named_with_its_model_and_pid(proc: Path) -> None:
     assert failure.describe() == "stub of model decode (pid 101) died"
 
 
+def test_a_model_unloaded_and_loaded_on_request_is_not_a_death(proc: Path) -> None:
+    """`rngd-pd swap` unloads decode and loads it again (Triton's model control): serve must not take
+    the old stub's exit for a crash, and watches the new stub from then on."""
+    watch = H.StubWatch(proc)
+    watch.snapshot(SERVER)
+    watch.log_line(f'I1207 01:00:00.0 1 pbutils.py:192] "decode_0_0: {H.UNLOADING_LINE}"')
+    shutil.rmtree(proc / "101")
+    assert watch.check() is None
+    write_proc(proc, 111, SERVER, stub_argv("decode"), start=2011)
+    watch.log_line("I1207 01:00:09.0 1 model_lifecycle.cc:839] \"successfully loaded 'decode'\"")
+    assert watch.check() is None
+    assert {s.pid for s in watch.stubs.values() if s.model == "decode"} == {111}
+    shutil.rmtree(proc / "111")  # the new one dies serving: that is a death
+    assert watch.check() == H.Failure("died", "decode", 111)
+
+
 def test_defunct_and_reused_pids_count_as_dead(proc: Path) -> None:
     watch = H.StubWatch(proc)
     watch.snapshot(SERVER)

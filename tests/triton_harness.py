@@ -40,11 +40,12 @@ def require_tritonserver() -> None:
 @contextlib.contextmanager
 def triton_server(repository: str | Path, config_name: str | None = None,
                   env: Mapping[str, str] | None = None, *, models: Sequence[str] = (),
-                  timeout: float = READY_TIMEOUT_S, log_verbose: int = 0) -> Iterator[TritonServer]:
+                  timeout: float = READY_TIMEOUT_S, log_verbose: int = 0,
+                  extra_args: Sequence[str] = ()) -> Iterator[TritonServer]:
     """A ready tritonserver serving `repository`; stopped (process group) on exit, also on failure."""
     require_tritonserver()
     cfg = ServerConfig(Path(repository), config_name, http_port=0, grpc_port=0, metrics_port=0,
-                       env=dict(env or {}), log_verbose=log_verbose)
+                       env=dict(env or {}), log_verbose=log_verbose, extra_args=tuple(extra_args))
     log_dir = Path(tempfile.mkdtemp(prefix="rngd-pd-triton-"))
     server = TritonServer(cfg, log=log_dir / "tritonserver.log")
     try:

@@ -57,7 +57,7 @@ from rngd_pd.wire.status import FAILED, STARTING, STOPPING
 HELP = "serve the model repository with tritonserver (and the OpenAI front end)"
 
 ROLE_MODELS: dict[str, tuple[str, ...] | None] = {
-    "all": None,  # every model in the repository
+    "all": ("*",),  # every model in the repository (explicit mode: `rngd-pd swap` can reload one)
     "prefill": ("prefill",),
     "decode": ("decode",),
     "gateway": ("llm",),  # the ensemble loads preprocess, pd, postprocess with it

@@ -124,6 +124,9 @@ RNGD_PD_KV_EVENTS_CONFIG = _var("RNGD_PD_KV_EVENTS_CONFIG", str, None, (MODELS, 
                                 "KV events as vLLM's --kv-events-config JSON (serve --kv-events-config): "
                                 "prefill publishes BlockStored/BlockRemoved/AllBlocksCleared over ZMQ; "
                                 "unset = off (rngd_pd.config.kv_events)")
+RNGD_PD_WEIGHT_STORE = _var("RNGD_PD_WEIGHT_STORE", Path, None, (MODELS, SERVE),
+                            "where the host's weight store lives (default /dev/shm/rngd-pd-weights-v1; "
+                            "rngd_pd.model.store)")
 RNGD_PD_KV_DEBUG_LOG = _var("RNGD_PD_KV_DEBUG_LOG", str, None, (TRANSPORTS,),
                             "a file both sides of the KV hand-off append one JSON line per blob to")
 

@@ -53,6 +53,9 @@ class ServingParams:
     kv_options: str = param("", help="the transport's options, NAME=VALUE;... (rngd_pd.kv.options), "
                                      "e.g. addr=relay.kv:9100 for tcp and nixl-ucx; environment names win")
 
+    weight_store: bool = param(True, help="map the weights from the host's shared weight store (one "
+                                          "converted copy per host for every instance; "
+                                          "rngd_pd.model.store) instead of reading the checkpoint")
     dtype: str = param(env=RNGD_PD_DTYPE, choices=COMPUTE_CHOICES,
                        help="compute dtype: auto (bf16 where the CPU/GPU computes bf16 natively, else fp32), "
                             "bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")

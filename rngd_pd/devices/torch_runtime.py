@@ -88,6 +88,16 @@ class TorchRuntime:
                 idx = torch.arange(b, device=self.torch_device)
                 self.decode_step(torch.zeros_like(idx), torch.zeros_like(idx), cache, idx)
 
+    def prepare_weights(self, loaded: Any) -> None:
+        """Derive this instance's own state for `loaded` (another generation of the same model, to
+        switch to later by assigning `self.loaded`): its copy on the GPU, and the packed decode
+        weights if this instance packed its current ones. Serving goes on meanwhile."""
+        if self.device.kind == "cuda":
+            loaded.model.to(self.torch_device)
+        loaded.model.pack = self.loaded.model.pack
+        if self.loaded.model._packing_done:
+            loaded.model.prepare_decode()
+
     def dtype(self, name: Any) -> torch.dtype:
         return torch_dtype(name)
 

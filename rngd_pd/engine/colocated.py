@@ -53,6 +53,7 @@ class ColocatedEngine:
 
     def close(self) -> None:
         self.decode_engine.stop()
+        self.runtime.loaded.close()  # lets go of the weight store
 
     def __enter__(self) -> ColocatedEngine:
         return self

@@ -34,6 +34,8 @@ from rngd_pd.frontend.schemas import (
     HealthResponse,
     ModelCard,
     ModelList,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
 )
 from rngd_pd.frontend.served_model import load_served_model
 from rngd_pd.frontend.state import FrontendState
@@ -157,6 +159,17 @@ def _add_routes(app: FastAPI) -> None:
         model = await s.context_model()
         card = ModelCard(id=model.name, created=s.created, max_model_len=model.max_model_len)
         return ModelList(data=[card])
+
+    @app.post("/update_weights_from_disk", response_model=UpdateWeightsResponse, responses=ERROR_RESPONSES,
+              dependencies=auth)
+    async def update_weights_from_disk(body: UpdateWeightsRequest, request: Request) -> UpdateWeightsResponse:
+        """Update the served weights to a checkpoint directory on the server's host in which some
+        tensors changed (SGLang's endpoint of this name): only the changed tensors are read;
+        running requests finish on the old weights, new ones wait and then run on the new."""
+        op = {"op": "apply_delta", "checkpoint": body.model_path, "drain_s": body.drain_s}
+        report = await _state(request).backend.weights(op)
+        changed = len(report.get("changed", []))
+        return UpdateWeightsResponse(success=True, message=f"{changed} tensors changed", report=report)
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(request: Request) -> Any:

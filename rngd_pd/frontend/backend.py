@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -30,6 +30,7 @@ from rngd_pd.wire import grpc_codec
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.grpc_codec import NP_DTYPES as _NP
 from rngd_pd.wire.inputs import sampling_values
+from rngd_pd.wire.weights import op_inputs, state_of
 
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 META_TIMEOUT_S = 5.0
@@ -68,6 +69,10 @@ class Backend(Protocol):
         Raises APIError (503 `backend_unavailable` when Triton cannot be reached). Closing the iterator
         early (aclose, or cancelling the task awaiting it) cancels the request on the server.
         """
+
+    async def weights(self, op: dict[str, Any]) -> dict[str, Any]:
+        """Run a weight operation (rngd_pd.wire.weights) on the served model; its JSON answer.
+        Blocks (asynchronously) for as long as the operation runs; raises APIError."""
 
     async def close(self) -> None:
         """Release connections; idempotent."""
@@ -198,6 +203,24 @@ class TritonBackend:
             raise _rpc_error(exc, self) from None
         finally:
             await grpc_codec.finish(call, done)
+
+
+    async def weights(self, op: dict[str, Any], timeout_s: float = 900.0) -> dict[str, Any]:
+        """Run a weight operation on the model (pd: rngd_pd.engine.switch); its JSON answer."""
+        request = grpc_codec.stream_request(self.model, op_inputs(self.model, op), (T.WEIGHTS_STATE,))
+        call = self._get_stub().ModelStreamInfer(grpc_codec.once(request), timeout=timeout_s)
+        try:
+            async for resp in call:
+                if resp.error_message:
+                    raise _model_error(resp.error_message, self.model)
+                outputs = grpc_codec.output_arrays(resp.infer_response)
+                if T.WEIGHTS_STATE in outputs:
+                    return state_of(outputs)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, self) from None
+        finally:
+            await grpc_codec.finish(call, True)
+        raise APIError.of(errors.RngdPdError, "Triton closed the stream without the weights' state")
 
 
 def _str_param(config: model_config_pb2.ModelConfig, key: str) -> str:

@@ -296,6 +296,20 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class UpdateWeightsRequest(_Strict):
+    """SGLang's /update_weights_from_disk body (its `load_format` and friends are not taken)."""
+
+    model_path: str = Field(description="the new checkpoint directory on the server's host (same config)")
+    drain_s: float = Field(120.0, gt=0, description="how long running requests may take to finish")
+
+
+class UpdateWeightsResponse(BaseModel):
+    success: bool
+    message: str
+    report: dict[str, Any] = Field(description="what changed: tensors, bytes read, fingerprints, seconds "
+                                               "(rngd_pd.model.delta.DeltaReport and the switch's steps)")
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "unavailable"]
     detail: str = ""

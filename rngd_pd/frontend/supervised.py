@@ -16,6 +16,7 @@ Without the file (a front end started by hand) nothing changes: readiness is Tri
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -57,6 +58,12 @@ class SupervisedBackend:
 
     async def max_len(self) -> int | None:
         return await self.inner.max_len()
+
+    async def weights(self, op: dict[str, Any]) -> dict[str, Any]:
+        current = self.status.current()
+        if not current.ready:
+            raise ServerRecovering(current)
+        return await self.inner.weights(op)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -20,6 +20,11 @@ from rngd_pd.errors import RngdPdError
 STUB_NAME = "triton_python_backend_stub"
 PROC = Path("/proc")
 _UNHEALTHY = re.compile(r"Stub process '([^']+)' is not healthy")
+# Triton's model control (`rngd-pd swap`): a model unloaded on purpose (its stubs say so in finalize,
+# before they exit; Triton 2.51 logs the unload only once they are gone), a model (re)loaded
+UNLOADING_LINE = "finalize: the instance unloads"
+_UNLOADING = re.compile(r'"(\w+?)(?:_\d+_\d+)?: ' + re.escape(UNLOADING_LINE))
+_LOADED = re.compile(r"successfully loaded '(\w+)'")
 
 
 
@@ -119,23 +124,41 @@ class StubWatch:
         self.proc, self.stopped_s, self.clock = proc, stopped_s, clock
         self.stubs: dict[str, Stub] = {}
         self._unhealthy: deque[str] = deque()
+        self._control: deque[tuple[str, str]] = deque()  # ("unloading" | "loaded", model), from the log
         self._stopped: dict[int, float] = {}  # pid -> when it was first seen stopped
+        self._server_pid: int | None = None
 
     def snapshot(self, server_pid: int) -> list[Stub]:
         """Remember the stubs of `server_pid` as they are now (call when the server is ready)."""
         self._unhealthy.clear()
+        self._control.clear()
         self._stopped.clear()
+        self._server_pid = server_pid
         self.stubs = {s.instance: s for s in stub_processes(server_pid, self.proc)}
         return list(self.stubs.values())
 
     def log_line(self, line: str) -> None:
-        """Feed a tritonserver log line (any thread); a local instance reported unhealthy counts."""
+        """Feed a tritonserver log line (any thread); a local instance reported unhealthy counts, and
+        a model Triton unloads or loads on request (a variant swap) is forgotten or learnt anew."""
         match = _UNHEALTHY.search(line)
         if match:
             self._unhealthy.append(match[1])
+        elif match := _UNLOADING.search(line):
+            self._control.append(("unloading", match[1]))
+        elif match := _LOADED.search(line):
+            self._control.append(("loaded", match[1]))
+
+    def _follow_model_control(self) -> None:
+        while self._control:
+            what, model = self._control.popleft()
+            self.stubs = {k: s for k, s in self.stubs.items() if s.model != model}
+            if what == "loaded" and self._server_pid is not None:
+                self.stubs.update({s.instance: s for s in stub_processes(self._server_pid, self.proc)
+                                   if s.model == model and not s.completes_config})
 
     def check(self) -> Failure | None:
         """The first stub that is gone, defunct, replaced or reported unhealthy; None when all answer."""
+        self._follow_model_control()
         now = self.clock()
         for stub in self.stubs.values():
             st = _stat(stub.pid, self.proc)
@@ -169,6 +192,7 @@ class SiblingWatch:
         self.watch = StubWatch(proc)
         self._next = 0.0
         self.failure: Failure | None = None
+        self.paused = False
 
     def _instances(self) -> list[Stub]:
         """The watched models' instance stubs now: the config-completing stubs Triton runs while
@@ -187,8 +211,18 @@ class SiblingWatch:
         self.watch.stubs.update({s.instance: s for s in living})
         return True
 
+    def pause(self) -> None:
+        """Stop watching while a watched model is unloaded on purpose (a variant swap)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Watch again, learning the stubs anew once every watched model is up."""
+        self.watch.stubs, self.failure, self.paused = {}, None, False
+
     def check(self, now: float | None = None) -> RngdPdError | None:
         """The error for requests in flight when a watched stub died (once died, always)."""
+        if self.paused:
+            return None
         now = time.monotonic() if now is None else now
         if self.failure is None and now >= self._next:
             self._next = now + self.every_s

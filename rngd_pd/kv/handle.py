@@ -115,7 +115,14 @@ class KVHandle:
         """Refuse a handle that does not fit the receiver's model before any blob is read."""
         if self.version != FORMAT_VERSION:
             self._mismatch("version", FORMAT_VERSION, self.version)
-        for name in ("fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype", "layout"):
+        if self.fingerprint != expected.fingerprint:
+            raise TransportIntegrityError(
+                f"KV handle fingerprint {self.fingerprint!r}: this KV was computed with other model weights "
+                f"than this decode serves ({expected.fingerprint!r}); the weights changed in between (a "
+                "partial update, or another checkpoint). Refusing to decode it; send the request again",
+                key=self.key,
+            )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "layout"):
             want, got = getattr(expected, name), getattr(self, name)
             if want != got:
                 self._mismatch(name, want, got)

@@ -124,15 +124,32 @@ class GGUFCheckpoint:
         this reader stays torch-free for the front end; load_model makes tensors of them)."""
         for name in self.tensors:
             hf = hf_name(name)
-            if hf is None:
-                continue
-            w = self._array(name)
-            if ".attn_q." in name:
-                w = unpermute(w, config.num_heads)
-            elif ".attn_k." in name:
-                w = unpermute(w, config.num_kv_heads)
-            w = np.ascontiguousarray(w, dtype=np.float32)
-            yield hf, w if w.flags.writeable else w.copy()
+            if hf is not None:
+                yield hf, self._convert(name, config)
+
+    def hf_tensor(self, hf: str, config: ModelConfig) -> np.ndarray:
+        """One weight by its Hugging Face name (a partial update reads only the changed ones)."""
+        names = {hf_name(n): n for n in self.tensors}
+        if hf not in names:
+            raise ModelLoadError(f"{self.path}: no tensor for {hf}")
+        return self._convert(names[hf], config)
+
+    def raw_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, the stored bytes as they are in the file): what a content hash of
+        a checkpoint tensor is taken over, with no dequantization."""
+        for name, t in self.tensors.items():
+            hf = hf_name(name)
+            if hf is not None:
+                yield hf, np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+
+    def _convert(self, name: str, config: ModelConfig) -> np.ndarray:
+        w = self._array(name)
+        if ".attn_q." in name:
+            w = unpermute(w, config.num_heads)
+        elif ".attn_k." in name:
+            w = unpermute(w, config.num_kv_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        return w if w.flags.writeable else w.copy()
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         """Tokenizer, chat template and special tokens from tokenizer.* metadata."""

@@ -7,6 +7,8 @@ memory-mapped safetensors so peak memory stays near the model's own size.
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -100,10 +102,38 @@ class HFCheckpoint:
         for f in self.files:
             handle = self._open(f)
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                try:
-                    yield name, handle.get_tensor(name)
-                except Exception as e:
-                    raise ModelLoadError(f"{f}: tensor {name} cannot be read ({e}); re-download it") from e
+                yield name, self._get(f, handle, name)
+
+    def hf_tensor(self, name: str, config: ModelConfig) -> Tensor:
+        """One tensor by name (a partial update reads only the changed ones)."""
+        for f in self.files:
+            handle = self._open(f)
+            if name in handle.keys():  # noqa: SIM118
+                return self._get(f, handle, name)
+        raise ModelLoadError(f"{self.path}: no tensor {name}")
+
+    def _get(self, f: Path, handle: Any, name: str) -> Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"{f}: tensor {name} cannot be read ({e}); re-download it") from e
+
+    def raw_tensors(self) -> Iterator[tuple[str, memoryview]]:
+        """(name, the tensor's bytes in the file, through a read-only mapping): what a content hash
+        of a checkpoint tensor is taken over. The safetensors layout: an 8-byte little-endian header
+        length, the JSON header (data_offsets relative to its end), the data."""
+        for f in self.files:
+            try:
+                with f.open("rb") as fh:
+                    (size,) = struct.unpack("<Q", fh.read(8))
+                    header = json.loads(fh.read(size))
+                    data = memoryview(mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ))
+            except (OSError, ValueError, struct.error) as e:
+                raise ModelLoadError(f"{f}: not a readable safetensors file ({e}); re-download it") from e
+            for name, meta in header.items():
+                if name != "__metadata__":
+                    start, end = meta["data_offsets"]
+                    yield name, data[8 + size + start:8 + size + end]
 
     def tokenizer(self, config: ModelConfig) -> Tokenizer:
         path = self.path / "tokenizer.json"

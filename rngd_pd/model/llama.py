@@ -156,6 +156,7 @@ class Llama(nn.Module):
         self.decode_rows: Rows = {}  # the fewest rows decode runs each projection on (_min_rows)
         self.decode_invariant = True  # _min_rows found such a row count for every projection
         self._packing_done = False  # pack_weights ran (whether or not this device/dtype packs)
+        self.pack = True  # whether pack_weights may pack (DecodeParams.pack_weights)
         self._pack_lock = threading.RLock()
 
     def pack_weights(self) -> None:
@@ -164,7 +165,7 @@ class Llama(nn.Module):
         in memory, CPU only (SmolLM2: 270 MB in bf16, 560 MB in fp32)."""
         with self._pack_lock:
             self._packing_done = True
-            if _packable(self.dtype) and self.embed.device.type == "cpu":
+            if self.pack and _packable(self.dtype) and self.embed.device.type == "cpu":
                 try:
                     for layer in self.layers:
                         layer.pack()

@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from rngd_pd.errors import ModelLoadError
+from rngd_pd.host.shm_refs import Root
 from rngd_pd.model.checkpoint import (  # noqa: F401 - re-exported: torch-free home of these
     EMBEDDED_PACKAGE,
     embedded_model_path,
@@ -25,13 +25,10 @@ from rngd_pd.model.checkpoint import (  # noqa: F401 - re-exported: torch-free h
     open_checkpoint,
 )
 from rngd_pd.model.config import ModelConfig, check_request
+from rngd_pd.model.layout import serving_tensors
 from rngd_pd.model.llama import Llama
+from rngd_pd.model.store import Progress, WeightStore, as_torch, open_store
 from rngd_pd.model.tokenizer import Tokenizer
-
-_LAYER_PARTS = (
-    "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)  # fmt: skip
 
 
 @dataclass
@@ -43,6 +40,12 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str
     source: str
+    store: WeightStore | None = None  # the host's weight store the weights are mapped from
+
+    def close(self) -> None:
+        """Stop holding the weight store, if any (the last holder on the host removes it)."""
+        if self.store is not None:
+            self.store.close()
 
     def check_request(self, prompt_len: int, max_tokens: int) -> None:
         """ConfigError / ContextLengthError when the request cannot fit this model's context."""
@@ -65,64 +68,70 @@ def load_model(
         total=ckpt.count(), desc=f"loading {name}", unit="tensor", file=sys.stderr, disable=not progress
     )
     with torch.inference_mode(), bar:
-        assemble(model, _ticking(ckpt.hf_tensors(config), bar))
+        assemble(model, _ticking(as_torch(ckpt.hf_tensors(config)), bar))
     model.eval()
     return LoadedModel(config, model, tokenizer, fingerprint(config, files), str(ckpt.path))
 
 
-def _ticking(items: Iterable[tuple[str, Tensor | np.ndarray]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:
-    """Tensors (a GGUF gives numpy arrays, safetensors torch tensors), ticking the progress bar."""
-    for name, t in items:
-        yield name, torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+def load_shared(path: str | None = None, *, dtype: torch.dtype = torch.float32,
+                progress: Progress | None = None, root: Root | None = None) -> LoadedModel:
+    """`load_model` through the host's weight store (rngd_pd.model.store): map the checkpoint's
+    current generation, converting it first if no process on this host has; `close()` when done."""
+    ckpt = open_checkpoint(path)
+    config = ckpt.config()
+    tokenizer = ckpt.tokenizer(config)
+    store = open_store(ckpt, dtype, fingerprint(config, ckpt.files), root=root, progress=progress)
+    try:
+        return from_store(store, config, tokenizer, str(ckpt.path))
+    except BaseException:
+        store.close()
+        raise
+
+
+def from_store(store: WeightStore, config: ModelConfig, tokenizer: Tokenizer, source: str) -> LoadedModel:
+    """A LoadedModel whose parameters are the store's read-only mappings (no copy)."""
+    store.check_config(config)
+    model = Llama(config, store.dtype)
+    params = parameters(model)
+    for name, t in store.tensors.items():
+        _check_shape(params[name], t, name)
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, attr, nn.Parameter(t, requires_grad=False))
+    if config.tie_word_embeddings:
+        model.lm_head = model.embed
+    model.eval()
+    return LoadedModel(config, model, tokenizer, store.fingerprint, source, store)
+
+
+def _ticking(items: Iterable[tuple[str, Tensor]], bar: tqdm) -> Iterable[tuple[str, Tensor]]:
+    for item in items:
+        yield item
         bar.update(1)
 
 
 def assemble(model: Llama, tensors: Iterable[tuple[str, Tensor]]) -> None:
-    """Copy Hugging Face-named tensors into the model, fusing QKV and gate/up per layer."""
-    c = model.config
-    pending: dict[int, dict[str, Tensor]] = {}
-    seen: set[str] = set()
-    direct = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
-    if not c.tie_word_embeddings:
-        direct["lm_head.weight"] = model.lm_head
-    for name, t in tensors:
-        if name in direct:
-            _copy(direct[name], t, name)
-            seen.add(name)
-        elif name.startswith("model.layers."):
-            idx, part = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            layer = pending.setdefault(int(idx), {})
-            layer[part] = t
-            if len(layer) == len(_LAYER_PARTS):
-                _fill_layer(model, int(idx), pending.pop(int(idx)))
-                seen.add(f"layer {idx}")
-    missing = [n for n in direct if n not in seen] + [
-        f"layer {i}" for i in range(c.num_layers) if f"layer {i}" not in seen
-    ]
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks weights for {', '.join(missing[:5])}; it is incomplete")
+    """Copy Hugging Face-named tensors into the model, fused as rngd_pd.model.layout says."""
+    params = parameters(model)
+    for name, t in serving_tensors(model.config, tensors):
+        _copy(params[name], t, name)
 
 
-def _fill_layer(model: Llama, i: int, w: dict[str, Tensor]) -> None:
-    if i >= len(model.layers):
-        raise ModelLoadError(f"checkpoint has layer {i} but the config says {len(model.layers)} layers")
-    b = model.layers[i]
-    _copy(b.attn_norm, w["input_layernorm"], f"layer {i} input_layernorm")
-    _copy(b.ffn_norm, w["post_attention_layernorm"], f"layer {i} post_attention_layernorm")
-    qkv = torch.cat([w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]])
-    _copy(b.wqkv, qkv, f"layer {i} q/k/v_proj")
-    _copy(b.wo, w["self_attn.o_proj"], f"layer {i} o_proj")
-    _copy(b.w13, torch.cat([w["mlp.gate_proj"], w["mlp.up_proj"]]), f"layer {i} gate/up_proj")
-    _copy(b.w2, w["mlp.down_proj"], f"layer {i} down_proj")
+def parameters(model: Llama) -> dict[str, Tensor]:
+    """The model's parameters by their layout names (a tied LM head appears once, as `embed`)."""
+    return dict(model.named_parameters())
 
 
 def _copy(dst: Tensor, src: Tensor, what: str) -> None:
+    _check_shape(dst, src, what)
+    dst.copy_(src)
+
+
+def _check_shape(dst: Tensor, src: Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ModelLoadError(
             f"weight {what} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}; "
             "config and weights do not belong together"
         )
-    dst.copy_(src)
 
 
 def fingerprint(config: ModelConfig, files: list[Path], samples: int = 16, chunk: int = 1 << 16) -> str:

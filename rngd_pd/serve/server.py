@@ -37,6 +37,7 @@ from rngd_pd.config.env import LD_LIBRARY_PATH, PATH, PYTHONPATH, TRITONSERVER, 
 from rngd_pd.config.settings import cache_root
 from rngd_pd.errors import RngdPdError
 from rngd_pd.host.children import die_with_parent
+from rngd_pd.host.shm_refs import store_root
 from rngd_pd.serve.procs import (
     remove_shm_regions,
     shm_regions,
@@ -277,8 +278,10 @@ class TritonServer:
         return f"http://{self.cfg.host}:{self.cfg.metrics_port}/metrics"
 
     def start(self) -> TritonServer:
-        """Launch tritonserver in a new session (process group); returns at once."""
+        """Launch tritonserver in a new session (process group); returns at once. Weight stores
+        left by a server that was killed are removed first (rngd_pd.host.shm_refs)."""
         self.cfg.resolve_ports()
+        self._sweep_weights()
         out: IO[bytes] | None = None
         if isinstance(self._log, Path):
             self._log_file = out = open(self._log, "wb")  # noqa: SIM115 - closed in stop()
@@ -357,6 +360,7 @@ class TritonServer:
         regions = shm_regions(self.proc.pid)
         code = stop_process_group(self.proc, grace_s)
         remove_shm_regions(regions)
+        self._sweep_weights()  # a stub killed before finalize left its weight store held by no one
         if self._relay is not None:
             self._relay.join(5)  # the pipe ends with the last process holding it
             self._relay = None
@@ -366,6 +370,11 @@ class TritonServer:
             self._log_file.close()
             self._log_file = None
         return code
+
+    def _sweep_weights(self) -> None:
+        removed = store_root(self.env).sweep()
+        if removed:
+            print(f"serve: removed weight stores no live process holds: {', '.join(removed)}", flush=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()

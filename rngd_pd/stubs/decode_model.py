@@ -16,6 +16,8 @@ the KV is released; keys cancelled before their start request arrives are rememb
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop
 from rngd_pd.stubs.serving import DecodeParams, getter, transport_for, transport_params
+from rngd_pd.stubs.weights import WeightsControl
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 
@@ -154,6 +157,14 @@ class DecodeService:
         except errors.TransportError:
             pass  # the transport's TTL frees what a dead relay could not
 
+    def install(self, loaded: Any) -> None:
+        """Serve `loaded` (a committed weight generation): KV handles must carry its fingerprint
+        from now on, so KV made with the old weights is refused."""
+        self.loaded = self.engine.loaded = loaded
+        self.receiver.spec = dataclasses.replace(self.receiver.spec, fingerprint=loaded.fingerprint)
+        if self.local is not None:
+            self.local.loaded = loaded
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -170,6 +181,7 @@ class DecodeService:
     def close(self) -> None:
         self.engine.stop()
         self.transport.close()
+        self.loaded.close()  # lets go of the weight store
 
 
 class DecodeModel:
@@ -181,7 +193,9 @@ class DecodeModel:
         p = transport_params(DecodeParams, args)
         name = args.get("model_name", "decode")
         self.metrics = triton_metrics(name)
-        self.service = DecodeService(load_for(p, args, "decode"), transport_for(p), p.kv_dtype,
+        runtime = load_for(p, args, "decode")
+        runtime.loaded.model.pack = p.pack_weights
+        self.service = DecodeService(runtime, transport_for(p), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport),
                                      local_prefill_tokens=p.local_prefill_tokens)
@@ -189,6 +203,8 @@ class DecodeModel:
         pbutils.log(f"{args.get('model_instance_name', name)}: prompts up to {t.tokens} tokens are prefilled "
                     f"here when pd sends them ({t.reason})")
         self.responses = ResponseLoop(name)
+        self.weights = WeightsControl(self.service.engine.runtime, self.service.install,
+                                      args.get("model_instance_name", name), busy=self.service.in_flight)
         self.load_gauges = load_gauges("decode", self.service.load, self.metrics.sink)
         self._family = pbutils.metric_family(IN_FLIGHT, "decode requests waiting for KV, queued or decoding",
                                              "GAUGE")
@@ -207,6 +223,11 @@ class DecodeModel:
             if pbutils.input_scalar(request, T.CANCEL, False):
                 self.service.cancel(key)
                 stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.CANCELLED}, final=True)
+                return
+            op = pbutils.input_scalar(request, T.WEIGHTS_OP)
+            if op:
+                stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "",
+                             T.WEIGHTS_STATE: [json.dumps(self.weights.handle(op))]}, final=True)
                 return
             if pbutils.input_scalar(request, T.DESCRIBE, False):
                 stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "",
@@ -249,6 +270,7 @@ class DecodeModel:
         return emit
 
     def finalize(self) -> None:
+        self.weights.close()
         if self.load_gauges is not None:
             self.load_gauges.close()
         self.service.close()

@@ -5,6 +5,7 @@ runtime the engines run through. Only prefill, decode and colocated load a model
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from rngd_pd.devices import select_device
 from rngd_pd.devices.binding import runtime_for
 from rngd_pd.devices.cpu_features import choose_compute_dtype
 from rngd_pd.model.checkpoint import open_checkpoint
-from rngd_pd.model.weights import load_model
+from rngd_pd.model.weights import LoadedModel, load_model, load_shared
 from rngd_pd.stubs import pbutils
 
 
@@ -49,14 +50,35 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
     choice = choose_compute_dtype(params.dtype, device=device.kind, source=source, phase=phase, config=config)
     pbutils.log(f"{args.get('model_instance_name', '?')}: compute dtype {choice.dtype} ({choice.reason})",
                 "warn" if choice.warning else "info")
-    loaded = load_model(params.model_path or None, dtype=choice.torch_dtype, progress=False)
-    runtime = runtime_for(device, loaded)
+    loaded = load_weights(params, args, choice.torch_dtype)
+    try:
+        runtime = runtime_for(device, loaded)
+    except BaseException:
+        loaded.close()
+        raise
     if device.kind == "cpu" and params.share_cores:
         pbutils.log(f"{args.get('model_instance_name', '?')}: cores: {runtime.share_cores(phase)}")
     mem = runtime.memory()
     pbutils.log(f"{args.get('model_instance_name', '?')}: runtime {type(runtime).__name__} on {device.name} "
                 f"({mem.free >> 20} of {mem.total >> 20} MiB free)")
     return runtime
+
+
+def load_weights(params: ServingParams, args: Mapping[str, Any], dtype: torch.dtype) -> LoadedModel:
+    """The weights: mapped from the host's weight store (the default), or read from the checkpoint
+    (weight_store=false). The store's generation, fingerprint and build time go to the load log."""
+    name = args.get("model_instance_name", "?")
+    if not params.weight_store:
+        return load_model(params.model_path or None, dtype=dtype, progress=False)
+    t0 = time.monotonic()
+    loaded = load_shared(params.model_path or None, dtype=dtype,
+                         progress=lambda text: pbutils.log(f"{name}: {text}"))
+    store = loaded.store
+    assert store is not None
+    pbutils.log(f"{name}: weights mapped from the weight store {store.path} (generation {store.generation}, "
+                f"fingerprint {store.fingerprint}, {store.nbytes() >> 20} MiB) "
+                f"in {time.monotonic() - t0:.1f} s")
+    return loaded
 
 
 def dtype_source(params: ServingParams) -> str:

@@ -15,6 +15,7 @@ iterator, so it stays BLS.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 from rngd_pd import errors
 from rngd_pd.engine.colocated import ColocatedEngine
 from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
+from rngd_pd.engine.switch import Gate, WeightSwitch
 from rngd_pd.engine.workers import RequestPool
-from rngd_pd.host.stubs import SiblingWatch
+from rngd_pd.host.stubs import UNLOADING_LINE, SiblingWatch
 from rngd_pd.model.params import PREFILLER_HEADER, prefiller_address
 from rngd_pd.model.sampling import FinishReason, SamplingParams
 from rngd_pd.stubs import pbutils
@@ -35,6 +37,7 @@ from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, model_param
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
+from rngd_pd.wire.weights import DRAIN_S
 
 
 class _GenerationModel:
@@ -52,6 +55,7 @@ class _GenerationModel:
         self.metrics = triton_metrics(self.name)
         self.responses = ResponseLoop(self.name, fence=fence, idle=idle, health=health)
         self.pool = RequestPool(f"{self.name}-request", max_inflight, max_queue)
+        self.control = RequestPool(f"{self.name}-weights", 1, 4)  # weight operations, one at a time
         self.load_gauges: Any = None  # pd's, on a gateway (metrics.load_gauges)
 
     def execute(self, requests: list) -> None:
@@ -59,10 +63,26 @@ class _GenerationModel:
             stream = self.responses.open(request, self.spec)
             if pbutils.input_scalar(request, T.ERRORS_IN_BAND, False):  # inside llm (tensors.ERROR)
                 stream.in_band = _in_band_error
+            op = pbutils.input_scalar(request, T.WEIGHTS_OP)
             try:
-                self.pool.submit(self._work, request, stream)
+                if op:
+                    self.control.submit(self._control, op, stream)
+                else:
+                    self.pool.submit(self._work, request, stream)
             except Exception as exc:
                 stream.fail(exc)
+
+    def _control(self, text: str, stream: Stream) -> None:
+        try:
+            state = self._weights(text)
+        except BaseException as exc:
+            stream.fail(exc)
+            return
+        stream.send({T.OUTPUT_IDS: [], T.FINISH_REASON: "", T.WEIGHTS_STATE: [json.dumps(state)]}, final=True)
+
+    def _weights(self, text: str) -> dict[str, Any]:
+        """A weight operation (pd: rngd_pd.engine.switch)."""
+        raise errors.ConfigError(f"{self.name} takes no weight operations; send them to pd")
 
     def _work(self, request: Any, stream: Stream) -> None:
         try:
@@ -100,10 +120,12 @@ class _GenerationModel:
         return Load(max(0, n - self.pool.workers), min(n, self.pool.workers))
 
     def finalize(self) -> None:
+        pbutils.log(f"{self.name}: {UNLOADING_LINE}")  # serve's stub watch: not a crash
         if self.load_gauges is not None:
             self.load_gauges.close()
         self.responses.close()
         self.pool.close()
+        self.control.close()
         self.metrics.close()
 
 
@@ -126,19 +148,50 @@ class PdModel(_GenerationModel):
         # stubs of the models reached by BLS are watched, so a dead one fails its waiting requests
         reached = ((p.prefill_model, p.prefill_url), (p.decode_model, p.decode_url))
         local = tuple(model for model, url in reached if not url)
-        watch = SiblingWatch(local).check if local else None
+        self.siblings = SiblingWatch(local) if local else None
         self._init_serving(args, p.max_inflight, p.max_queue, fence=RETIRED.fenced, idle=RETIRED.drop_settled,
-                           health=watch)
+                           health=self.siblings.check if self.siblings else None)
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
                                          local_prefill_when=p.local_prefill_when, connect=GrpcClient)
+        self.gate = Gate()  # closed while the weights switch (rngd_pd.engine.switch)
+        self.switch = WeightSwitch(prefill, decode, self.gate, prefill_model=p.prefill_model,
+                                   decode_model=p.decode_model)
 
         self.load_gauges = load_gauges("pd", self.load, self.metrics.sink)
 
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
-        return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
+        with self.gate.passage(cancelled):
+            return self.orchestrator.run(ids, params, stream, emit, cancelled, prefill_at=prefill_at)
+
+    def _weights(self, text: str) -> dict[str, Any]:
+        """`{"op": "apply_delta", "checkpoint": DIR, "drain_s": S}`, `{"op": "hold", "drain_s": S,
+        "max_hold_s": S}` / `{"op": "release"}` (around a variant swap), or `{"op": "state"}`."""
+        try:
+            op = json.loads(text)
+            kind = op["op"]
+        except (ValueError, KeyError, TypeError):
+            raise errors.ConfigError(f"weights_op must be a JSON object with \"op\", "
+                                     f"got {text[:200]!r}") from None
+        if kind == "apply_delta" and op.get("checkpoint"):
+            result = self.switch.apply_delta(str(op["checkpoint"]), float(op.get("drain_s", DRAIN_S)))
+            pbutils.log(f"pd: weight update {json.dumps(result)}")
+            return result
+        if kind == "state":
+            return self.switch.state()
+        if kind == "hold":  # a swap unloads a model pd watches: not a death (host.stubs.SiblingWatch)
+            state = self.switch.hold(float(op.get("drain_s", DRAIN_S)), float(op.get("max_hold_s", 600.0)))
+            if self.siblings is not None:
+                self.siblings.pause()
+            return state
+        if kind == "release":
+            if self.siblings is not None:
+                self.siblings.resume()
+            return self.switch.release()
+        raise errors.ConfigError("pd's weight operations are apply_delta (with checkpoint), hold, release "
+                                 f"and state, got {kind!r}")
 
     def finalize(self) -> None:
         super().finalize()

@@ -6,6 +6,8 @@ transport as soon as it is computed (`KVSender` as the engine's on_layer hook), 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ from rngd_pd.stubs import pbutils
 from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.serving import PrefillParams, getter, transport_for, transport_params
+from rngd_pd.stubs.weights import WeightsControl
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 
@@ -51,8 +54,17 @@ class PrefillService:
         result = self.engine.prefill(key, token_ids, params, on_layer=sender.on_layer)
         return sender.finish(result.first_token, result.num_tokens), sender.push_s, result.cached_tokens
 
+    def install(self, loaded: Any) -> None:
+        """Serve `loaded` (a committed weight generation): its fingerprint goes into every handle
+        from now on, and prefixes cached with the old weights are dropped."""
+        self.loaded = self.engine.loaded = loaded
+        self.spec = dataclasses.replace(self.spec, fingerprint=loaded.fingerprint)
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
+
     def close(self) -> None:
         self.transport.close()
+        self.loaded.close()  # lets go of the weight store
 
 
 def kv_events_publisher(args: Mapping[str, Any]) -> ZmqPublisher | NullPublisher:
@@ -82,6 +94,8 @@ class PrefillModel:
             self.events.close()  # its sockets are bound: let go of the ports for the next load
             raise
         self.service.runtime.compute_thread()  # the stub runs a non-decoupled model's execute here
+        self.weights = WeightsControl(self.service.runtime, self.service.install,
+                                      args.get("model_instance_name", "prefill"))
         self.metrics = triton_metrics(args.get("model_name", "prefill"))
         self._waiting = self._running = 0
         self._events_seen = (0, 0)
@@ -106,6 +120,11 @@ class PrefillModel:
 
     def _one(self, request: Any) -> Any:
         try:
+            op = pbutils.input_scalar(request, T.WEIGHTS_OP)
+            if op:
+                state = json.dumps(self.weights.handle(op))
+                return pbutils.make_response(T.PREFILL, {T.WEIGHTS_STATE: [state]},
+                                             pbutils.requested_outputs(request))
             get = getter(request)
             key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
             if not key:
@@ -132,6 +151,7 @@ class PrefillModel:
             self._events_seen = now
 
     def finalize(self) -> None:
+        self.weights.close()
         if self.load_gauges is not None:
             self.load_gauges.close()
         self.service.close()

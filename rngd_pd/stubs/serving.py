@@ -54,6 +54,10 @@ class DecodeParams(ServingParams):
     kv_timeout_s: float = param(300.0, help="how long decode waits for a request's KV")
     local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself, "
                                                "no hand-off (-1 = measured at load, 0 = never)")
+    pack_weights: bool = param(True, help="cpu: keep oneDNN-packed copies of the weights for decode "
+                                          "(faster, batch-invariant; one more copy of the model in "
+                                          "memory); false: decode runs on the shared weights (an 8B "
+                                          "model's prefill and decode on one 24 GiB host)")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,11 @@ CONTEXT_IDS = "context_ids"  # pd -> postprocess: the ids before this chunk, for
 # A pd error response while postprocess still works on earlier tokens left 2.51's ensemble request open.
 ERRORS_IN_BAND = "errors_in_band"
 ERROR = "error"
+# Weight updates while serving (rngd_pd.engine.switch): a request whose WEIGHTS_OP carries a JSON
+# operation (stage, commit, abort, state; on pd: apply_delta, state) is answered with WEIGHTS_STATE
+# (JSON) instead of tokens; the other required inputs of such a request are ignored.
+WEIGHTS_OP = "weights_op"
+WEIGHTS_STATE = "weights_state"
 
 # Triton data type -> numpy, the one table (the stubs' tensors, the gRPC codec, the front end).
 NUMPY_DTYPES: dict[str, Any] = {
@@ -152,10 +157,12 @@ LLM = ModelSpec(
 )
 PD = ModelSpec(
     "pd",
-    (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS, _t(ERRORS_IN_BAND, "BOOL", 1, optional=True)),
+    (_t(INPUT_IDS, "INT32", -1), *GENERATION_INPUTS, _t(ERRORS_IN_BAND, "BOOL", 1, optional=True),
+     _t(WEIGHTS_OP, "BYTES", 1, optional=True)),
     # context_ids, stop (the request's stop strings, echoed) and error are for the stateless postprocess
     # of the llm ensemble: a step may not mix inputs from a decoupled model and the ensemble's own inputs
-    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1), _t(ERROR, "BYTES", 1)),
+    (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1), _t(ERROR, "BYTES", 1),
+     _t(WEIGHTS_STATE, "BYTES", 1)),
     decoupled=True,
     doc="BLS orchestrator: prefill + decode of one request, streams tokens",
 )
@@ -174,8 +181,9 @@ PREPROCESS = ModelSpec(
 )
 PREFILL = ModelSpec(
     "prefill",
-    (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLING_INPUTS[:4]),
-    (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1)),
+    (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLING_INPUTS[:4],
+     _t(WEIGHTS_OP, "BYTES", 1, optional=True)),
+    (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1), _t(WEIGHTS_STATE, "BYTES", 1)),
     doc="token ids -> first token; pushes each layer's KV through the transport",
 )
 DECODE = ModelSpec(
@@ -188,8 +196,9 @@ DECODE = ModelSpec(
         _t(CANCEL, "BOOL", 1, optional=True),
         _t(INPUT_IDS, "INT32", -1, optional=True),
         _t(DESCRIBE, "BOOL", 1, optional=True),
+        _t(WEIGHTS_OP, "BYTES", 1, optional=True),
     ),
-    (*TOKEN_OUTPUTS, _t(LOCAL_PREFILL_TOKENS, "INT32", 1)),
+    (*TOKEN_OUTPUTS, _t(LOCAL_PREFILL_TOKENS, "INT32", 1), _t(WEIGHTS_STATE, "BYTES", 1)),
     decoupled=True,
     doc="request key -> token stream; pulls the KV by key (cancel=true stops a key; input_ids: "
         "prefill here, no hand-off; describe=true: the local prefill threshold)",

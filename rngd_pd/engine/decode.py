@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from rngd_pd.engine.request import (
 )
 from rngd_pd.engine.workers import RequestPool
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
+from rngd_pd.model.grammar import TokenConstraint, grammars_for
 from rngd_pd.model.sampling import FinishReason, Sampler
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class _Entry:
     cancel_asked: bool = False
     loaded: bool = False  # the loader is done with it (KV in the slot, or load_error)
     load_error: BaseException | None = None
+    constraint: TokenConstraint | None = None  # structured outputs: the grammar of the reply
 
     def advance(self, phase: Phase) -> None:
         if phase <= self.phase:
@@ -154,6 +157,7 @@ class DecodeEngine:
         self._running = False
         self._thread: threading.Thread | None = None
         self._pool: RequestPool | None = None
+        self._masker: ThreadPoolExecutor | None = None  # grammar masks, computed while a step runs
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "rejected": 0}
         self._times = {"model_s": 0.0, "host_s": 0.0}  # in decode_step / sampling + emitting
 
@@ -165,6 +169,7 @@ class DecodeEngine:
                 return
             self._running = True
         self._pool = RequestPool("decode-kv-loader", self._loader_threads, self.num_slots)
+        self._masker = ThreadPoolExecutor(1, thread_name_prefix="decode-grammar")
         self._thread = threading.Thread(target=self._run, name="decode-scheduler", daemon=True)
         self._thread.start()
 
@@ -179,6 +184,8 @@ class DecodeEngine:
             self._thread.join()
         if self._pool is not None:
             self._pool.close(wait_s=2.0)  # idle loaders end at once; one still pulling KV is let go
+        if self._masker is not None:
+            self._masker.shutdown(wait=True)
         leftovers = [e for e in self._requests.values() if e is not None]
         for e in leftovers:
             err = RngdPdError("the decode engine stopped before the request finished; retry it",
@@ -203,10 +210,11 @@ class DecodeEngine:
         check_request(req.prompt_len, req.params, self.buckets[-1].max_len, key=req.key)
         if req.first_token is not None:
             self._check_token(req.key, req.first_token)
+        constraint = grammars_for(self.loaded.tokenizer).constraint(req.params.structured)
         self._reserve(req.key)
         state = RequestState(req.key, req.params, self.loaded.tokenizer, self.config.eos_token_ids)
         entry = _Entry(req, state, Sampler(req.params, first_step=1), req.prompt_len + req.params.max_tokens,
-                       position=req.prompt_len)
+                       position=req.prompt_len, constraint=constraint)
         if req.first_token is not None:
             try:
                 ev = self._first(entry, req.first_token)
@@ -283,11 +291,19 @@ class DecodeEngine:
             raise ConfigError(f"first_token {token} outside the vocabulary", key=key)
 
     def _first(self, e: _Entry, token: int) -> TokenEvent:
-        """Account for the first token (sampled by prefill) and emit its event."""
+        """Account for the first token (sampled by prefill, under the same grammar) and emit its event."""
         e.last_token = token
-        ev = e.state.advance(token)
+        ev = e.state.advance(token, end=self._accept(e, token))
         e.req.emit(ev)
         return ev
+
+    @staticmethod
+    def _accept(e: _Entry, token: int) -> bool:
+        """Advance the request's grammar past `token`; True when the grammar is finished."""
+        if e.constraint is None:
+            return False
+        e.constraint.accept(token)
+        return e.constraint.is_terminated()
 
     def _in_slots_locked(self) -> int:
         """Requests holding a slot (LOADING or ACTIVE)."""
@@ -420,9 +436,12 @@ class DecodeEngine:
         tokens, positions, parts = self._inputs.fill(
             [e.last_token for e in rows], [e.position for e in rows], [e.slot for e in rows],
             [(b.cache, len(es)) for b, es in groups])
+        masks = self._prepare_masks(rows)
         try:
             logits = self.runtime.decode_step_parts(tokens, positions, parts)
             greedy = logits.argmax(dim=-1).tolist()
+            if masks is not None:
+                masks.result()
         except Exception as ex:
             log.exception("decode step failed for %d requests", len(rows))
             for e in rows:
@@ -432,10 +451,13 @@ class DecodeEngine:
         t1 = time.perf_counter()
         for i, e in enumerate(rows):
             try:
-                tok = greedy[i] if e.sampler.greedy else e.sampler.sample(logits[i])
+                if e.sampler.greedy and e.constraint is None:
+                    tok = greedy[i]
+                else:
+                    tok = e.sampler.sample(logits[i], e.constraint)
                 e.position += 1
                 e.last_token = tok
-                ev = e.state.advance(tok)
+                ev = e.state.advance(tok, end=self._accept(e, tok))
             except Exception as ex:
                 log.exception("sampling failed")
                 self._retire(e, e.state.final(FinishReason.ERROR, RngdPdError(f"sampling failed: {ex!r}")))
@@ -449,6 +471,14 @@ class DecodeEngine:
             self._counters["tokens"] += len(rows)
             self._times["model_s"] += t1 - t0
             self._times["host_s"] += time.perf_counter() - t1
+
+    def _prepare_masks(self, rows: list[_Entry]) -> Future | None:
+        """Start computing the grammar masks of the constrained rows on the masker thread, so they
+        are ready when the step's forward (which drops the GIL) returns; None when no row has one."""
+        constraints = [e.constraint for e in rows if e.constraint is not None]
+        if not constraints or self._masker is None:
+            return None
+        return self._masker.submit(lambda: [c.prepare() for c in constraints])
 
     def _retire(self, e: _Entry, ev: TokenEvent | None) -> None:
         """Free the slot at once, then send the request's one final event (None: already sent)."""

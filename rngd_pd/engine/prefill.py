@@ -24,6 +24,7 @@ from rngd_pd.engine.kv_events.publisher import EventSink
 from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
+from rngd_pd.model.grammar import grammars_for
 from rngd_pd.model.sampling import Sampler, SamplingParams
 
 OnLayer = Callable[[int, Any, Any], None]
@@ -90,7 +91,8 @@ class PrefillEngine:
         on_layer: OnLayer | None = None,
         chunk_size: int | None = -1,
     ) -> PrefillResult:
-        """Prefill one prompt; the first token is drawn with the request's sampler (draw 0).
+        """Prefill one prompt; the first token is drawn with the request's sampler (draw 0), under
+        its grammar when it has one (`params.structured`; decode's constraint accepts it again).
 
         chunk_size -1 uses the engine's default, None prefills the whole prompt at once.
         on_layer(i, K, V) gets layer i's K/V of the whole prompt [kv_heads, T, head_dim] in kv_dtype
@@ -100,6 +102,7 @@ class PrefillEngine:
         """
         ids = self._ids(key, token_ids, params)
         tokens = self.runtime.tokens(ids)
+        constraint = grammars_for(self.loaded.tokenizer).constraint(params.structured)  # before compute
         chunk = self.chunk_size if chunk_size == -1 else chunk_size
         cache = self.prefix_cache
         with self.runtime.inference():
@@ -109,7 +112,7 @@ class PrefillEngine:
                 logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
             else:
                 logits, kv = self._chunked(tokens, chunk or len(tokens), on_layer, cached, blocks)
-            first = Sampler(params).sample(logits)
+            first = Sampler(params).sample(logits, constraint)
             if cache is not None:
                 cache.insert(ids, kv, cached, names)
         return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv, cached_tokens=cached)

@@ -98,14 +98,17 @@ class RequestState:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def advance(self, token: int) -> TokenEvent:
-        """Account for one new token; the returned event says whether the request is done."""
+    def advance(self, token: int, end: bool = False) -> TokenEvent:
+        """Account for one new token; the returned event says whether the request is done. `end`:
+        the request's grammar admits nothing after this token (it finishes with reason "stop")."""
         self.token_ids.append(token)
         if token in self.eos:
             return self._finish(token, FinishReason.EOS, "")
         text, stopped = self.stop.push(self.decoder.push(token))
         if stopped:
             return self._finish(token, FinishReason.STOP, text)
+        if end:
+            return self._finish(token, FinishReason.STOP, text, flush=True)
         if len(self.token_ids) >= self.params.max_tokens:
             return self._finish(token, FinishReason.LENGTH, text)
         self.text_parts.append(text)
@@ -116,8 +119,11 @@ class RequestState:
         self.finished = True
         return TokenEvent(self.key, None, "", True, reason, error)
 
-    def _finish(self, token: int, reason: str, text: str) -> TokenEvent:
-        if reason != FinishReason.STOP:
+    def _finish(self, token: int, reason: str, text: str, flush: bool | None = None) -> TokenEvent:
+        """flush (default: unless a stop string ended it): the held-back text goes out too."""
+        if flush is None:
+            flush = reason != FinishReason.STOP
+        if flush:
             tail, stopped = self.stop.push(self.decoder.flush())
             text += tail
             if stopped:

@@ -32,7 +32,7 @@ def prefiller_address(value: str) -> str:
     return f"{host}:{int(port)}"
 
 
-OpenAIFinishReason = Literal["stop", "length"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 """The finish reasons OpenAI's API answers with (of its set, the ones this server can end with)."""
 
 
@@ -46,12 +46,16 @@ class FinishReason(StrEnum):
     EOS = "eos"              # the model ended it (an end-of-sequence token)
     CANCELLED = "cancelled"  # the client (or pd, after a failure) cancelled it
     ERROR = "error"          # it failed; the error travels with it
+    TOOL_CALLS = "tool_calls"  # the front end parsed the reply into tool calls (never on the wire)
 
     @property
     def openai(self) -> OpenAIFinishReason:
-        """OpenAI's spelling: "length" when max_tokens ended the request, "stop" for every other end
-        (OpenAI's "stop" is any natural end: an EOS token as much as a stop string)."""
-        return "length" if self is FinishReason.LENGTH else "stop"
+        """OpenAI's spelling: "length" when max_tokens ended the request, "tool_calls" when the reply
+        became tool calls, "stop" for every other end (OpenAI's "stop" is any natural end: an EOS
+        token as much as a stop string or a finished grammar)."""
+        if self is FinishReason.LENGTH or self is FinishReason.TOOL_CALLS:
+            return self.value  # type: ignore[return-value]
+        return "stop"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    structured: str | None = None  # rngd_pd.model.structured.Structured.to_json(): the reply's grammar
 
     def __post_init__(self) -> None:
         self.validate()
@@ -84,6 +89,8 @@ class SamplingParams:
             raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if self.structured is not None and (not isinstance(self.structured, str) or not self.structured):
+            raise ConfigError(f"structured must be a non-empty JSON text, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rngd_pd.model.grammar import TokenConstraint
 from rngd_pd.model.params import FinishReason, SamplingParams
 from rngd_pd.model.stopping import StopChecker
 
@@ -36,9 +37,13 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.greedy
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """logits [vocab] (any float dtype) -> token id."""
+    def sample(self, logits: torch.Tensor, constraint: TokenConstraint | None = None) -> int:
+        """logits [vocab] (any float dtype) -> token id. A `constraint` (structured outputs) masks the
+        tokens its grammar forbids before temperature, top-k and top-p; the caller `accept`s the
+        token it returns (rngd_pd.model.grammar gives the order)."""
         step, self.step = self.step, self.step + 1
+        if constraint is not None:
+            logits = constraint.mask_into(logits)
         if self.params.greedy:
             return int(torch.argmax(logits))
         p = self.params

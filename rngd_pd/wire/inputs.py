@@ -56,12 +56,15 @@ def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingPa
                                for s in stop.reshape(-1) if s not in (b"", ""))
     if _scalar(get, T.IGNORE_EOS):
         values["ignore_eos"] = True
+    structured = _scalar(get, T.STRUCTURED)
+    if structured:
+        values["structured"] = structured
     return SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def sampling_values(params: SamplingParams, *, with_max_tokens: bool = True) -> dict[str, list]:
     """The values of the inputs that carry `params` to a model, by input name: temperature, top_p and
-    top_k always, seed, ignore_eos and stop only when set (stop strings as UTF-8 bytes)."""
+    top_k always, seed, ignore_eos, stop and structured only when set (texts as UTF-8 bytes)."""
     out: dict[str, list] = {}
     if with_max_tokens:
         out[T.MAX_TOKENS] = [params.max_tokens]
@@ -74,6 +77,8 @@ def sampling_values(params: SamplingParams, *, with_max_tokens: bool = True) -> 
         out[T.IGNORE_EOS] = [True]
     if params.stop:
         out[T.STOP] = [s.encode("utf-8") for s in params.stop]
+    if params.structured:
+        out[T.STRUCTURED] = [params.structured.encode("utf-8")]
     return out
 
 

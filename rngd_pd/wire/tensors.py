@@ -28,6 +28,7 @@ TOP_K = "top_k"
 SEED = "seed"
 STOP = "stop"
 IGNORE_EOS = "ignore_eos"
+STRUCTURED = "structured"  # JSON text of rngd_pd.model.structured.Structured: the reply's grammar
 REQUEST_KEY = "request_key"
 PROMPT_LEN = "prompt_len"
 FIRST_TOKEN = "first_token"
@@ -137,6 +138,7 @@ SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
     _t(SEED, "UINT64", 1, optional=True),
     _t(STOP, "BYTES", -1, optional=True),
     _t(IGNORE_EOS, "BOOL", 1, optional=True),  # benchmarks: run to max_tokens past EOS
+    _t(STRUCTURED, "BYTES", 1, optional=True),  # structured outputs: sampled where tokens are chosen
 )
 GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _t(MAX_TOKENS, "INT32", 1),
@@ -182,7 +184,7 @@ PREPROCESS = ModelSpec(
 PREFILL = ModelSpec(
     "prefill",
     (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLING_INPUTS[:4],
-     _t(WEIGHTS_OP, "BYTES", 1, optional=True)),
+     _t(WEIGHTS_OP, "BYTES", 1, optional=True), _t(STRUCTURED, "BYTES", 1, optional=True)),
     (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1), _t(WEIGHTS_STATE, "BYTES", 1)),
     doc="token ids -> first token; pushes each layer's KV through the transport",
 )

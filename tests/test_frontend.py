@@ -200,7 +200,7 @@ def test_bad_values_are_400_naming_the_parameter(url, body, param, words):
 def test_chat_unsupported_and_malformed(url):
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     err = _error(_post(url, {**base, "tools": [{"type": "function"}]}, "/v1/chat/completions"), 400)
-    assert err["param"] == "tools"
+    assert err["param"].startswith("tools")
     err = _error(
         _post(url, {**base, "messages": [{"role": "tool", "content": "x"}]}, "/v1/chat/completions"), 400
     )

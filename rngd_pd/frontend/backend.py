@@ -243,6 +243,13 @@ def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str
             "ignore_eos",
             "unsupported_parameter",
         )
+    if params.structured and T.STRUCTURED not in inputs:
+        raise bad_request(
+            f"structured outputs are not supported by Triton model '{model}' "
+            f"(it declares no '{T.STRUCTURED}' input)",
+            "response_format",
+            "unsupported_parameter",
+        )
 
 
 def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> service_pb2.ModelInferRequest:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from rngd_pd.frontend.api_errors import APIError
 from rngd_pd.frontend.backend import GenerateRequest
+from rngd_pd.frontend.constraints import structured_of
 from rngd_pd.frontend.generation import TextGeneration
 from rngd_pd.frontend.prompts import chat_prompt, completion_prompt, resolve_max_tokens
 from rngd_pd.frontend.schemas import (
@@ -34,7 +35,9 @@ from rngd_pd.frontend.schemas import (
 )
 from rngd_pd.frontend.state import FrontendState
 from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
+from rngd_pd.frontend.tools import ToolPlan, ToolStream, plan_tools, reply_message
 from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams, prefiller_address
+from rngd_pd.model.structured import Structured
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody receives it
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -50,6 +53,7 @@ class Frames:
         return []
 
     def delta(self, text: str) -> bytes:
+        """The events of a text delta (b"" when it is held back)."""
         raise NotImplementedError
 
     def final(self, reason: FinishReason) -> bytes:
@@ -85,6 +89,10 @@ class CompletionFrames(Frames):
 
 
 class ChatFrames(Frames):
+    def __init__(self, rid: str, model: str, tools: ToolStream) -> None:
+        super().__init__(rid, model)
+        self.tools = tools
+
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse(
             ChatCompletionChunk(
@@ -96,10 +104,12 @@ class ChatFrames(Frames):
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
     def delta(self, text: str) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+        return b"".join(self._chunk([ChatChunkChoice(delta=d)]) for d in self.tools.push(text))
 
     def final(self, reason: FinishReason) -> bytes:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
+        held = b"".join(self._chunk([ChatChunkChoice(delta=d)]) for d in self.tools.end())
+        reason = _tool_reason(reason, self.tools.called)
+        return held + self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)])
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], usage)
@@ -115,7 +125,23 @@ def _check_model(state: FrontendState, name: str) -> None:
         )
 
 
-def _sampling(body: _GenerationRequest, max_tokens: int) -> SamplingParams:
+def _tool_reason(reason: FinishReason, called: bool) -> FinishReason:
+    """"tool_calls" when the reply became tool calls (unless max_tokens cut it)."""
+    return FinishReason.TOOL_CALLS if called and reason is not FinishReason.LENGTH else reason
+
+
+def _structured(body: _GenerationRequest, plan: ToolPlan) -> Structured | None:
+    """The grammar of the reply: an enforced tool choice's, or the structured output asked for."""
+    found = structured_of(body)
+    if plan.structured is not None and found is not None:
+        raise APIError(400, f"'{found[1]}' cannot be combined with tool_choice '{plan.mode}'",
+                       param=found[1], code="invalid_value")
+    return plan.structured or (found[0] if found else None)
+
+
+def _sampling(
+    body: _GenerationRequest, max_tokens: int, structured: Structured | None = None
+) -> SamplingParams:
     """The request's SamplingParams, built (and so checked) here once: the typed object goes on to the
     backend, which only encodes it."""
     return SamplingParams(
@@ -126,6 +152,7 @@ def _sampling(body: _GenerationRequest, max_tokens: int) -> SamplingParams:
         seed=body.seed,
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
+        structured=structured.to_json() if structured is not None else None,
     )
 
 
@@ -150,10 +177,11 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
     ids = completion_prompt(model, body.prompt)
     max_tokens = resolve_max_tokens(model, len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
+    params = _sampling(body, max_tokens, _structured(body, ToolPlan()))
     gen = TextGeneration(
         state.backend,
         state.model.tokenizer,
-        GenerateRequest(rid, ids, _sampling(body, max_tokens), _prefill_at(request)),
+        GenerateRequest(rid, ids, params, _prefill_at(request)),
         arrival=request.scope.get(ARRIVAL_KEY),
     )
     echo = None
@@ -175,22 +203,27 @@ async def completion(state: FrontendState, body: CompletionRequest, request: Req
 async def chat(state: FrontendState, body: ChatCompletionRequest, request: Request) -> Any:
     _check_model(state, body.model)
     model = await state.context_model()
-    ids = chat_prompt(model, body.messages)
+    plan = plan_tools(body)
+    structured = _structured(body, plan)
+    ids = chat_prompt(model, body.messages, plan)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(model, len(ids), requested, None, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = TextGeneration(
         state.backend,
         state.model.tokenizer,
-        GenerateRequest(rid, ids, _sampling(body, max_tokens), _prefill_at(request)),
+        GenerateRequest(rid, ids, _sampling(body, max_tokens, structured), _prefill_at(request)),
         arrival=request.scope.get(ARRIVAL_KEY),
     )
     if body.stream:
-        return await _stream(state, request, gen, ChatFrames(rid, body.model), body.include_usage())
+        frames = ChatFrames(rid, body.model, ToolStream(plan))
+        return await _stream(state, request, gen, frames, body.include_usage())
     text = await _collect(state, request, gen)
     if text is None:
         return Response(status_code=CLIENT_CLOSED)
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)  # type: ignore[arg-type]
+    message = reply_message(text, plan) if plan.parses else AssistantMessage(content=text)
+    reason = _tool_reason(gen.finish_reason, bool(message.tool_calls))  # type: ignore[arg-type]
+    choice = ChatChoice(message=message, finish_reason=reason)
     return ChatCompletionResponse(
         id=rid, created=int(time.time()), model=body.model, choices=[choice], usage=_usage(gen)
     )
@@ -261,12 +294,13 @@ async def _stream(
         for frame in frames.start():
             yield frame
         try:
-            if first:
-                yield frames.delta(first)
+            if first and (frame := frames.delta(first)):
+                yield frame
             async for text in it:
                 frame = frames.delta(text)
                 state.metrics.token_latency.observe(time.perf_counter() - gen.chunk_at)
-                yield frame
+                if frame:
+                    yield frame
         except APIError as exc:  # after the 200 went out, an error can only be an event
             yield sse(exc.body())
             yield DONE

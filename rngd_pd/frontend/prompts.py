@@ -10,6 +10,7 @@ from typing import Protocol
 
 from rngd_pd.frontend.api_errors import bad_request
 from rngd_pd.frontend.schemas import ChatMessage
+from rngd_pd.frontend.tools import ToolPlan, render_messages
 
 
 class StreamDecoderLike(Protocol):
@@ -21,10 +22,13 @@ class TokenizerLike(Protocol):
     """The part of rngd_pd.model.Tokenizer the front end uses."""
 
     eos_token_ids: tuple[int, ...]
+    renders_tools: bool
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str: ...
     def stream_decoder(self) -> StreamDecoderLike: ...
 
 
@@ -58,12 +62,11 @@ def completion_prompt(model: ServedModel, prompt: str | list) -> list[int]:
     return ids
 
 
-def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
-    """Messages -> the model's chat template (with the assistant's turn opened) -> token ids."""
-    rendered = model.tokenizer.apply_chat_template(
-        [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages],
-        add_generation_prompt=True,
-    )
+def chat_prompt(model: ServedModel, messages: list[ChatMessage], plan: ToolPlan | None = None) -> list[int]:
+    """Messages (and tools) -> the model's chat template (with the assistant's turn opened) -> token
+    ids; `rngd_pd.frontend.tools` says how tools reach a template that does not render them."""
+    dicts, tools = render_messages(messages, plan or ToolPlan(), model.tokenizer.renders_tools)
+    rendered = model.tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tools=tools)
     ids = model.tokenizer.encode(rendered)
     if not ids:
         raise bad_request("'messages' render to an empty prompt", "messages", "invalid_value")

@@ -36,12 +36,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -69,6 +65,46 @@ class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk with the usage of the request.")
 
 
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field("response", max_length=64, description="OpenAI requires it; vLLM does not.")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="A JSON Schema.")
+    strict: bool | None = Field(None, description="true: unsupported schema keywords are a 400.")
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (exactly one of these)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json", description="A JSON Schema.")
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonEmpty | None = Field(None, description="Lark or GBNF (llama.cpp) grammar.")
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _GenerationRequest(_Strict):
     """Fields common to completions and chat completions."""
 
@@ -93,6 +129,12 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Not supported (null or {}).")
     presence_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
     frequency_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
+    guided_json: dict[str, Any] | bool | str | None = Field(None, description="vLLM: a JSON Schema.")
+    guided_regex: NonEmpty | None = Field(None, description="vLLM: the reply matches this regex.")
+    guided_choice: Choices | None = Field(None, description="vLLM: the reply is one of these.")
+    guided_grammar: NonEmpty | None = Field(None, description="vLLM: a Lark or GBNF grammar.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's newer form of guided_*.")
 
     @field_validator(
         "n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", mode="before"
@@ -156,8 +198,18 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text.")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _Message(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -167,8 +219,42 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class TextFormat(_Strict):
-    type: Literal["text"]
+class PlainMessage(_Message):
+    role: Literal["system", "developer", "user"]
+
+
+class AssistantTurn(_Message):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls it made.")
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str = Field(description="The call this message answers.")
+
+
+ChatMessage = Annotated[PlainMessage | AssistantTurn | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -176,22 +262,15 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
-    tool_choice: Literal["none"] | None = Field(None, description='Not supported (null or "none").')
-    functions: list[dict[str, Any]] | None = Field(None, max_length=0, description="Not supported.")
-    function_call: Literal["none"] | None = Field(None, description='Not supported (null or "none").')
-    parallel_tool_calls: None = Field(None, description="Not supported.")
-    response_format: TextFormat | None = Field(None, description='Only {"type": "text"}.')
-
-    @field_validator(
-        "tools",
-        "tool_choice",
-        "functions",
-        "function_call",
-        "parallel_tool_calls",
-        "response_format",
-        mode="before",
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default "auto" with tools, "none" without.'
     )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call. Default true.")
+    functions: list[dict[str, Any]] | None = Field(None, max_length=0, description="Deprecated; use tools.")
+    function_call: Literal["none"] | None = Field(None, description='Deprecated; use tool_choice.')
+
+    @field_validator("functions", "function_call", mode="before")
     @classmethod
     def _neutral_only_chat(cls, value: Any, info: Any) -> Any:
         return _refuse_unsupported(value, info.field_name)
@@ -232,7 +311,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -251,9 +331,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a tool call: `id`, `type` and the name come once, the arguments in parts."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -107,8 +107,16 @@ class Tokenizer:
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the checkpoint's chat template (Hugging Face's jinja conventions)."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template uses a `tools` argument (Llama 3.1+ do; SmolLM2's does not)."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render messages with the checkpoint's chat template (Hugging Face's jinja conventions;
+        `tools` as Hugging Face passes them, for templates that render tools)."""
         if not self.chat_template:
             raise ConfigError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
@@ -120,6 +128,7 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )

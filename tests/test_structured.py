@@ -114,6 +114,7 @@ def test_mask_forbids_what_the_grammar_forbids(tokenizer) -> None:
     allowed = {i for i in range(c.vocab) if masked[i] != float("-inf")}
     texts = {tokenizer.decode([i]) for i in allowed}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    assert all(c.allows(i) == (i in allowed) for i in range(c.vocab))
     with pytest.raises(Exception, match="breaks the request's grammar"):
         c.accept(tokenizer.encode("maybe")[0])
 

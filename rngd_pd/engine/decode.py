@@ -451,8 +451,8 @@ class DecodeEngine:
         t1 = time.perf_counter()
         for i, e in enumerate(rows):
             try:
-                if e.sampler.greedy and e.constraint is None:
-                    tok = greedy[i]
+                if e.sampler.greedy and (e.constraint is None or e.constraint.allows(greedy[i])):
+                    tok = greedy[i]  # the row's argmax, which its grammar (if any) admits
                 else:
                     tok = e.sampler.sample(logits[i], e.constraint)
                 e.position += 1

@@ -40,6 +40,9 @@ class TokenConstraint(Protocol):
     def mask_into(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] -> logits with every forbidden token at -inf (a new tensor)."""
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar admits `token` next (a greedy row whose argmax it admits needs no mask)."""
+
     def accept(self, token: int) -> None:
         """Advance past the chosen token; RngdPdError if the grammar forbids it."""
 
@@ -73,7 +76,11 @@ class GrammarConstraint:
         n = logits.shape[-1]
         if n != self.vocab:  # model rows padded past the tokenizer: the padding is never allowed
             allowed = torch.cat([allowed, torch.zeros(max(0, n - self.vocab), dtype=torch.bool)])[:n]
-        return logits.masked_fill(~allowed, float("-inf"))
+        return torch.where(allowed, logits, float("-inf"))
+
+    def allows(self, token: int) -> bool:
+        self.prepare()
+        return 0 <= token < self.vocab and bool((int(self._mask[0, token >> 5]) >> (token & 31)) & 1)
 
     def accept(self, token: int) -> None:
         self._ready = False

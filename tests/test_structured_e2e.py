@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -18,6 +19,8 @@ from pydantic import BaseModel, Field
 
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
+from rngd_pd.model.structured import Structured
+from rngd_pd.testing import e2e as E
 from tests import test_frontend_e2e as fe
 from tests.frontend_fakes import serve_app
 
@@ -252,3 +255,13 @@ def test_colocated_and_raw_http(colocated_url):
     r = httpx.post(colocated_url + "/v1/chat/completions", json=body, timeout=120).json()
     assert r["choices"][0]["finish_reason"] == "tool_calls"
     assert r["choices"][0]["message"]["tool_calls"][0]["type"] == "function"
+
+
+def test_tritonclient_sends_the_structured_input(triton, served):
+    """Triton's own interface: `structured` (rngd_pd.model.structured's JSON) on pd, no front end."""
+    spec = Structured("regex", r"[0-9]{4}-[0-9]{2}")
+    tok = served.tokenizer
+    values = E.pd_inputs(tok.encode("Write a date."), max_tokens=20,
+                         structured=np.array([spec.to_json().encode()], dtype=np.object_))
+    responses = E.stream_infer(triton.grpc_url, "pd", values, ("output_ids", "finish_reason"))
+    assert re.fullmatch(spec.value, tok.decode(E.ids_of(responses))) and E.reason_of(responses) == "stop"

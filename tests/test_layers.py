@@ -107,6 +107,8 @@ LAZY = {
     "rm_core": "ai-rm's registry, used when ai-rm is installed",
     "tritonclient": "its grpc client, only to parse config.pbtxt: the text stubs never load grpc",
     "google": "protobuf's text format, with tritonclient above",
+    "transformers": "the outside reference (rngd_pd.model.reference): a test extra, loaded only by "
+                    "conformance and the oracle tests, never by serving",
 }
 
 

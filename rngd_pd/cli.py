@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "kv-relay": "rngd_pd.commands.kv_relay",
     "conformance": "rngd_pd.commands.conformance",
     "device-conformance": "rngd_pd.commands.device_conformance",
+    "compile": "rngd_pd.commands.compile",
     "devices": "rngd_pd.commands.devices",
     "apply-delta": "rngd_pd.commands.apply_delta",
     "swap": "rngd_pd.commands.swap",

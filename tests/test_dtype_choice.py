@@ -165,8 +165,19 @@ def test_cuda_asks_torch(monkeypatch) -> None:
     assert choose_compute_dtype("bf16", device="cuda").dtype == "bf16"
 
 
-def test_npu_devices_resolve_on_the_host_cpu() -> None:
-    choice = choose_compute_dtype("auto", HASWELL, device="rngd")
+def test_rngd_is_bf16_whatever_the_host_cpu() -> None:
+    """The card computes, not the host: an AVX2-only host (whose own auto is fp32) still gets the
+    bf16 graphs that `rngd-pd compile` and CI build; a forced dtype is taken as given, unwarned."""
+    for cpu in (HASWELL, ZEN4, frozenset()):
+        choice = choose_compute_dtype("auto", cpu, device="rngd")
+        assert choice.dtype == "bf16" and "whatever the host CPU" in choice.reason
+    forced = choose_compute_dtype("bf16", HASWELL, device="rngd")
+    assert forced.dtype == "bf16" and not forced.warning and forced.reason == "forced by --dtype"
+    assert choose_compute_dtype("fp32", ZEN4, device="rngd").dtype == "fp32"
+
+
+def test_atom_resolves_on_the_host_cpu() -> None:
+    choice = choose_compute_dtype("auto", HASWELL, device="atom")
     assert choice.dtype == "fp32" and "host CPU" in choice.reason
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from rngd_pd.devices import conformance
 from rngd_pd.devices.conformance import Check, report
+from rngd_pd.devices.rngd.artifacts import DEFAULT_SEARCH, FULL, parse_search
 from rngd_pd.devices.rngd.runtime import compile_check, configured_shapes
 from rngd_pd.devices.runtime import GraphShapes
 from rngd_pd.errors import DeviceUnavailableError
@@ -37,26 +38,29 @@ def compile_scope(stage: str) -> str:
 
 
 def compile_only(kind: str, shapes: GraphShapes, stage: str = "import", per_graph_timeout: float = 7200.0,
-                 no_cache: bool = False, max_unique_shapes: int | None = None) -> list[Check]:
+                 no_cache: bool = False, search: int | None = DEFAULT_SEARCH) -> list[Check]:
     """Take every graph through the card's compiler on a host that may have none (rngd only), up to
     `stage` (import: every op accepted, seconds a graph; compile: the binary, minutes a graph on 2
-    cores). `no_cache`: a real compile, not furiosa's cache; `max_unique_shapes`: a bounded tactic
-    search (rngd.runtime.compile_check)."""
+    cores), by the call serving compiles with (rngd.graphs.compile_graph). `no_cache`: a real
+    compile, not furiosa's cache; `search`: the tactic search, bounded by default as in serving
+    (rngd.runtime.compile_check)."""
     if kind != "rngd":
         raise DeviceUnavailableError(f"--compile-only is for rngd (its compiler runs without a card); "
                                      f"{kind} needs its hardware for conformance")
 
     checks = []
     for r in compile_check(shapes, stage=stage, per_graph_timeout=per_graph_timeout, no_cache=no_cache,
-                           max_unique_shapes=max_unique_shapes):
+                           search=search):
         secs = r.get("seconds") or {}
         total = secs.get("total", sum(secs.values())) if isinstance(secs, dict) else float(secs)
         refused = ", ".join(r.get("refused_ops") or [])
         detail = r.get("error") or (f"refused: {refused}" if refused else f"reached {r.get('stage')}")
         if r.get("ok") and r.get("binary_bytes"):
             detail += f", binary {r['binary_bytes']} bytes"
-        if r.get("max_unique_shapes"):
-            detail += f", tactic search bounded to {r['max_unique_shapes']} shapes"
+        if r.get("search") == FULL:
+            detail += ", furiosa's full tactic search"
+        elif r.get("search"):
+            detail += f", tactic search bounded to {r['search']} shapes"
         sdk = ", ".join(f"{k} {v}" for k, v in (r.get("sdk") or {}).items())
         name = f"{r.get('graph', 'graph')}_{r.get('part', 'graph')}@{stage}"
         checks.append(Check(name, str(r.get("shape", "")), bool(r.get("ok")),
@@ -75,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "down to the binary)")
     p.add_argument("--no-cache", action="store_true", help="--compile-only: bypass furiosa's compile cache")
     p.add_argument("--timeout", type=float, default=7200.0, help="--compile-only: seconds per graph")
-    p.add_argument("--max-unique-shapes", type=int, default=None,
-                   help="--compile-only: bound the compiler's tactic search (e.g. 16: a layer compiles "
-                        "several times faster; its tactics may run slower on a card)")
+    p.add_argument("--search", type=parse_search, default=DEFAULT_SEARCH,
+                   help=f"--compile-only: the compiler's tactic search, as serving's rngd_search: `full` or "
+                        f"a bound of N unique shapes (default {DEFAULT_SEARCH})")
     p.add_argument("--config-shapes", action="store_true",
                    help="rngd: the shapes the model repository's rngd configs need (prefill chunk_size, "
                         "every decode bucket of decode/configs/rngd.pbtxt) instead of --chunks/--decode")
@@ -92,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"rngd --compile-only --stage {args.stage}: {compile_scope(args.stage)}; "
           f"shapes {shapes.describe()}", file=sys.stderr if args.json else sys.stdout, flush=True)
     try:
-        checks = compile_only(args.device, shapes, args.stage, args.timeout, args.no_cache,
-                              args.max_unique_shapes)
+        checks = compile_only(args.device, shapes, args.stage, args.timeout, args.no_cache, args.search)
     except DeviceUnavailableError as exc:
         print(f"device conformance: {args.device} cannot be checked here: {exc}", file=sys.stderr)
         return 2

@@ -56,6 +56,12 @@ class ServingParams:
     weight_store: bool = param(True, help="map the weights from the host's shared weight store (one "
                                           "converted copy per host for every instance; "
                                           "rngd_pd.model.store) instead of reading the checkpoint")
+    rngd_search: str = param("", help="rngd: the compiler's tactic search, `full` or a bound of N unique "
+                                      "shapes; empty: the bound every RNGD compile uses by default "
+                                      "(rngd_pd.devices.rngd.artifacts)")
+    rngd_artifacts: str = param("", help="rngd: the directory of compiled graphs (`rngd-pd compile --out`) "
+                                         "the card loads; a graph missing there is compiled at load and "
+                                         "saved there; empty: compile every graph at load")
     dtype: str = param(env=RNGD_PD_DTYPE, choices=COMPUTE_CHOICES,
                        help="compute dtype: auto (bf16 where the CPU/GPU computes bf16 natively, else fp32), "
                             "bf16 (serving speed) or fp32 (bit-exact with the fp32 oracle)")

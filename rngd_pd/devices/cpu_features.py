@@ -153,14 +153,18 @@ def choose_compute_dtype(requested: str | None, features: CpuFeatures | str | It
     bf16 and fp32 are used as given ("forced by --dtype"; `source` names where they came from).
     auto on cpu with a `phase` (prefill | decode | both) and the model's `config`: the faster of the
     two for that phase, measured on this host (rngd_pd.devices.kernels, cached). Without them, and on
-    rngd/atom (whose torch graphs run on the host CPU here): bf16 where the CPU computes bf16
-    natively, else fp32. auto on cuda: bf16 where torch.cuda.is_bf16_supported().
+    atom (whose torch graphs run on the host CPU here): bf16 where the CPU computes bf16 natively,
+    else fp32. auto on cuda: bf16 where torch.cuda.is_bf16_supported(); on rngd: bf16, the card's
+    dtype, whatever the host CPU (the graphs `rngd-pd compile` and CI build are bf16).
     """
     value = (requested or AUTO).strip().lower()
     if value not in COMPUTE_CHOICES:
         raise ConfigError(f"compute dtype {requested!r} is not one of {', '.join(COMPUTE_CHOICES)}")
-    if value != AUTO and (value == "fp32" or device == "cuda"):
+    if value != AUTO and (value == "fp32" or device in ("cuda", "rngd")):
         return DtypeChoice(value, f"forced by {source}", value)
+    if device == "rngd":  # the card computes; the host CPU's flags say nothing about it
+        return DtypeChoice("bf16", "auto: an RNGD card computes in bf16 (its graphs are compiled and checked "
+                                   "in bf16), whatever the host CPU")
     if device == "cuda":
         ok, why = _cuda_bf16()
         return DtypeChoice("bf16" if ok else "fp32", f"auto: {why}" if ok else f"auto: {why}; fp32")

@@ -106,6 +106,24 @@ def step_parts_in_turn(runtime: DeviceRuntime, tokens: Any, positions: Any,
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
+def prefill_shapes(chunk_size: int | None, max_context: int, kv_dtype: Any = "bf16") -> GraphShapes:
+    """The graphs a prefill engine prepares: its chunk (None or 0: whole prompts of up to
+    max_context) and the past buckets of max_context. PrefillEngine and `rngd-pd compile` both
+    plan with this."""
+    chunk = chunk_size or max_context
+    return GraphShapes(prefill_chunks=(chunk,), kv_dtype=kv_dtype,
+                       prefill_past=past_buckets(chunk, max_context))
+
+
+def decode_shapes(num_slots: int, max_len: int, kv_dtype: Any = "bf16",
+                  buckets: Sequence[int] | Mapping[int, int] | None = None) -> GraphShapes:
+    """The graphs a decode engine prepares: one (width, bucket) per bucket of `plan_buckets`, and
+    GraphShapes' default prefill chunk (decode prefills short prompts itself: local prefill).
+    DecodeEngine and `rngd-pd compile` both plan with this."""
+    plan = plan_buckets(num_slots, max_len, buckets)
+    return GraphShapes(decode=tuple((s, n) for n, s in plan.items()), kv_dtype=kv_dtype)
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """What the device holds and has left, in bytes (host RAM for the CPU)."""

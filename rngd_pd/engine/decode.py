@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, plan_buckets
+from rngd_pd.devices.runtime import DeviceRuntime, decode_shapes, plan_buckets
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.request import (
     DecodeRequest,
@@ -144,8 +144,7 @@ class DecodeEngine:
         self.kv_dtype = self.runtime.dtype(kv_dtype)
         plan = plan_buckets(num_slots, self.max_len, buckets)
         # every graph built now (decode weights packed, compiled), not in the first request's step
-        self.runtime.prepare(GraphShapes(decode=tuple((s, n) for n, s in plan.items()),
-                                         kv_dtype=self.kv_dtype))
+        self.runtime.prepare(decode_shapes(num_slots, self.max_len, self.kv_dtype, buckets))
         self.buckets = [_Bucket(self.runtime, s, n, self.kv_dtype) for n, s in plan.items()]
         self._inputs = _StepInputs(self.runtime, sum(b.slots for b in self.buckets))
         self._loader_threads = loader_threads

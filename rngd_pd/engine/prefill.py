@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, past_buckets
+from rngd_pd.devices.runtime import DeviceRuntime, KVList, prefill_shapes
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.kv_events.publisher import EventSink
 from rngd_pd.engine.prefix import PrefixCache
@@ -56,9 +56,7 @@ class PrefillEngine:
         self.kv_dtype = self.runtime.dtype(kv_dtype)
         self.chunk_size = chunk_size
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
-        chunk = chunk_size or self.max_context
-        self.runtime.prepare(GraphShapes(prefill_chunks=(chunk,), kv_dtype=self.kv_dtype,
-                                         prefill_past=past_buckets(chunk, self.max_context)))
+        self.runtime.prepare(prefill_shapes(chunk_size, self.max_context, self.kv_dtype))
         c = self.config
         self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,
                                         self.kv_dtype, prefix_cache_bytes, prefix_block, events) \

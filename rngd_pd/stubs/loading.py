@@ -17,6 +17,7 @@ from rngd_pd.config.settings import source_of
 from rngd_pd.devices import select_device
 from rngd_pd.devices.binding import runtime_for
 from rngd_pd.devices.cpu_features import choose_compute_dtype
+from rngd_pd.devices.rngd.artifacts import CompileOptions, parse_search
 from rngd_pd.model.checkpoint import open_checkpoint
 from rngd_pd.model.weights import LoadedModel, load_model, load_shared
 from rngd_pd.stubs import pbutils
@@ -43,6 +44,7 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
     and loses ~8x on AVX2 alone. bf16/fp32 force one. The choice and why go to the load log.
     """
     device = check_device(params, args)
+    rngd = CompileOptions(parse_search(params.rngd_search), params.rngd_artifacts)  # a bad value stops here
     if params.torch_threads > 0:
         torch.set_num_threads(params.torch_threads)
     source = dtype_source(params)
@@ -52,7 +54,7 @@ def load_for(params: ServingParams, args: Mapping[str, Any], phase: str = "both"
                 "warn" if choice.warning else "info")
     loaded = load_weights(params, args, choice.torch_dtype)
     try:
-        runtime = runtime_for(device, loaded)
+        runtime = runtime_for(device, loaded, rngd)
     except BaseException:
         loaded.close()
         raise

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -52,11 +53,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, torch_dtype
+from tqdm import tqdm
+
+from rngd_pd.config.dtypes import COMPUTE_DTYPES, KV_DTYPES, short_dtype, torch_dtype
+from rngd_pd.devices.rngd.artifacts import (
+    DEFAULT_SEARCH,
+    ArtifactKey,
+    ArtifactStore,
+    CompileOptions,
+    digest_text,
+    parse_search,
+    search_label,
+)
 from rngd_pd.devices.rngd.messages import pack_message, read_message
 from rngd_pd.devices.rngd.smi import memory
 from rngd_pd.devices.runtime import DEFAULT_SHAPES
@@ -64,6 +76,8 @@ from rngd_pd.errors import RngdPdError
 from rngd_pd.host.children import killed_with_parent
 from rngd_pd.model import llama as L
 from rngd_pd.model import load_model
+from rngd_pd.model import rope as model_rope
+from rngd_pd.model.checkpoint import open_checkpoint
 
 PARTS = ("layer", "head")
 
@@ -440,20 +454,144 @@ def _short(text: str, limit: int = 4000) -> str:
     return tail if len(tail) <= limit else "..." + tail[-limit:]
 
 
-STAGES = ("import", "lower", "compile")  # how far compile_one goes: import_dfg, lower, compile
+STAGES = ("import", "lower", "compile")  # how far compile_graph goes: import_dfg, lower, compile
 
 
-def compiler_config(tactic_hint: str | None = None, max_unique_shapes: int | None = None) -> Any:
-    """A furiosa CompilerConfig with progress as JSON lines (on stderr) and the given search limits."""
+def compiler_config(search: int | None = DEFAULT_SEARCH, tactic_hint: str | None = None) -> Any:
+    """THE furiosa CompilerConfig of every RNGD compile: progress as JSON lines (on stderr) and the
+    tactic search bounded to `search` unique shapes (None: furiosa's full search; artifacts.py)."""
     from furiosa.torch import config
     from furiosa.torch._C.config.compiler import ProgressMode
 
     kw: dict[str, Any] = {"progress_mode": ProgressMode.Json}
     if tactic_hint:
         kw["tactic_hint"] = getattr(config.TacticHintConfig, tactic_hint)
-    if max_unique_shapes:
-        kw["max_num_unique_shapes"] = max_unique_shapes
+    if search is not None:
+        kw["max_num_unique_shapes"] = search
     return config.CompilerConfig(**kw)
+
+
+@dataclass
+class CompiledGraph:
+    """One graph through the furiosa compiler: the preprocessed program (its weights' and buffers'
+    flattening, which the card module needs) and, at stage compile, the Runnable (the binary)."""
+
+    spec: GraphSpec
+    program: Any  # the ExportedProgram after furiosa's preprocessing
+    reconstructor: Any  # furiosa's ExportedProgramOutputReconstructor for it
+    runnable: Any = None  # furiosa.torch._C.ir.Runnable (stage compile)
+    source: str = "compiled"  # or "artifacts": read from an ArtifactStore, not compiled
+    info: dict[str, Any] = field(default_factory=dict)  # nodes, unsupported_aten, cache, artifact
+
+    def module(self) -> Any:
+        """The callable furiosa module of the binary (furiosa's CompileModule: what
+        `CompileModule.from_exported` builds, over this Runnable); `.to(furiosa:N)` loads it."""
+        from furiosa.torch import CompileModule
+        from furiosa.torch._module.runnable import Runnable
+        from furiosa.torch.export import ExportedProgramWeight
+
+        return CompileModule(Runnable(self.runnable), ExportedProgramWeight(self.program), self.reconstructor)
+
+
+def compile_graph(ep: Any, spec: GraphSpec, search: int | None = DEFAULT_SEARCH, *, stage: str = "compile",
+                  tactic_hint: str | None = None, cache_root: str | None = None,
+                  secs: dict[str, float] | None = None) -> CompiledGraph:
+    """THE one call into the furiosa compiler: serving's card worker (`build_graph`, `card_builder`),
+    `--compile-only` and CI (`compile_one`) and `rngd-pd compile` (`compile_one` under `--artifacts`)
+    all compile here, with one CompilerConfig (`compiler_config(search)`). furiosa's own
+    preprocessing first (what `CompileModule.from_exported` runs; torch's `run_decompositions()`
+    would give aten.addmm, which the DFG importer refuses), then the DFG import (where ops are
+    refused), then `stage` lower or compile. `cache_root`: the furiosa compile cache directory
+    (None: its default, ~/.cache/furiosa/compiler). Raises what the SDK raises."""
+    import furiosa.torch  # noqa: F401 - registers the device and its ops
+    from furiosa.torch import compiler, config
+    from furiosa.torch.export.exported_program import preprocess_exported_program
+
+    secs = {} if secs is None else secs
+    t = time.perf_counter()
+    program, reconstructor = preprocess_exported_program(ep)
+    secs["preprocess"] = round(time.perf_counter() - t, 2)
+    out = CompiledGraph(spec, program, reconstructor)
+    out.info["nodes"] = sum(1 for n in program.graph.nodes if n.op == "call_function")
+    out.info["unsupported_aten"] = unsupported_ops(program)
+    t = time.perf_counter()
+    compiler.import_dfg(program)
+    secs["import"] = round(time.perf_counter() - t, 2)
+    if stage == "import":
+        return out
+    root = cache_root or config.CacheConfig.default_cache_dir()
+    before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
+    t = time.perf_counter()
+    cc = compiler_config(search, tactic_hint)
+    with config.cache_context(root_dir=root):
+        if stage == "lower":
+            compiler.lower(program, cc, task_name=spec.name)
+        else:
+            out.runnable = compiler.compile(program, cc, task_name=spec.name)
+    secs[stage] = round(time.perf_counter() - t, 2)
+    if root:
+        out.info["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
+    return out
+
+
+def graph_code_digest() -> str:
+    """sha256 of the source that decides what a graph computes (the wrappers here, the model's
+    layer code and RoPE): part of an artifact's key, so a binary of older code is never loaded."""
+    return digest_text(*(inspect.getsource(o) for o in (GraphSpec, build_wrapper, with_weights, past_mask,
+                                                         _gather, export, L, model_rope)))
+
+
+def artifact_key(config: Any, spec: GraphSpec, dtype: str, kv_dtype: str, search: int | None) -> ArtifactKey:
+    """The key of `spec`'s binary for a model of `config` (a ModelConfig): artifacts.ArtifactKey."""
+    from furiosa.torch import compiler
+
+    return ArtifactKey(spec.name, spec.shape, short_dtype(dtype), short_dtype(kv_dtype), search_label(search),
+                       str(compiler.version()), digest_text(config.to_json()), graph_code_digest())
+
+
+def build_graph(model: Any, spec: GraphSpec, kv_dtype: Any, search: int | None = DEFAULT_SEARCH,
+                store: ArtifactStore | None = None, *, cache_root: str | None = None,
+                tactic_hint: str | None = None, secs: dict[str, float] | None = None,
+                log: Any = None) -> CompiledGraph:
+    """`spec`'s graph of `model` ready for the card: export, then the binary from `store` when it
+    holds this graph's key (no compile), else `compile_graph` (said through `log` when a store was
+    given: a card host's load that compiles says so), saved into `store`. What the card worker
+    runs at load and `rngd-pd compile` runs ahead of time."""
+    secs = {} if secs is None else secs
+    t = time.perf_counter()
+    ep = export(model, spec, kv_dtype)
+    secs["export"] = round(time.perf_counter() - t, 2)
+    key = artifact_key(model.config, spec, model.dtype, kv_dtype, search) if store is not None else None
+    if store is not None and key is not None and store.find(key) is not None:
+        from furiosa.torch._C import ir
+        from furiosa.torch.export.exported_program import preprocess_exported_program
+
+        data, _ = store.read(key)
+        program, reconstructor = preprocess_exported_program(ep)
+        out = CompiledGraph(spec, program, reconstructor, ir.Runnable.deserialize(data), "artifacts")
+        out.info["artifact"] = str(store.root / f"{key.stem}.runnable")
+        return out
+    if store is not None and log is not None:
+        log(f"{spec.name} ({spec.shape}) is not in the artifacts {store.root}: compiling it "
+            f"(search {search_label(search)})")
+    out = compile_graph(ep, spec, search, tactic_hint=tactic_hint, cache_root=cache_root, secs=secs)
+    if store is not None and key is not None:
+        path = store.save(key, out.runnable.serialize(), {"seconds": dict(secs), "sdk": sdk_versions()})
+        out.info["artifact"] = str(path)
+        if log is not None:
+            log(f"{spec.name}: compiled in {secs.get('compile', 0):.0f} s, saved as {path}")
+    return out
+
+
+def card_builder(model: Any, device: Any, options: CompileOptions, log: Any = None) -> Any:
+    """The CardWorker's `build(spec, kv_dtype)` on a card: `build_graph` with the options' search
+    and artifact directory, the binary loaded onto `device` (furiosa's `.to(furiosa:N)`)."""
+    store = ArtifactStore(options.artifacts) if options.artifacts else None
+
+    def build(spec: GraphSpec, kv_dtype: Any) -> Any:
+        return build_graph(model, spec, kv_dtype, options.search, store, log=log).module().to(device)
+
+    return build
 
 
 def _row_base(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -461,88 +599,71 @@ def _row_base(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
     return {"graph": spec.kind, "part": spec.part, "name": spec.name, "shape": spec.shape,
             "dtype": args.dtype, "kv_dtype": args.kv_dtype, "target": args.stage, "ok": False,
             "refused_ops": [],  # the search bound acts after the import, where the tactics are searched
-            "max_unique_shapes": args.max_unique_shapes if args.stage != "import" else None}
+            "search": search_label(args.search) if args.stage != "import" else None}
 
 
 def compile_one(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
-    """Export, preprocess and import / lower / compile (args.stage) one graph in THIS process; a
-    dict row, never raises (a Rust panic is caught as PanicException where PyO3 raises one)."""
+    """One graph in THIS process up to args.stage, through `compile_graph` (at stage compile by
+    way of `build_graph`, into the artifact directory `--artifacts` when given); a dict row, never
+    raises (a Rust panic is caught as PanicException where PyO3 raises one)."""
     row = {**_row_base(spec, args), "stage": "setup", "error": "", "seconds": {}}
     secs = row["seconds"]
     t0 = time.perf_counter()
+    fresh = None
     try:
         row["sdk"] = sdk_versions()
         missing = toolchain_missing() if args.stage == "compile" else None
         if missing:
             row.update(stage="toolchain", error=missing)
             return row
-        import furiosa.torch  # noqa: F401 - registers the device and its ops
-        from furiosa.torch import compiler, config
-        from furiosa.torch.export.exported_program import preprocess_exported_program
-
         row["stage"] = "load"
-        loaded = load_model(None, dtype=torch_dtype(args.dtype), progress=False)
+        loaded = load_model(args.model, dtype=torch_dtype(args.dtype), progress=False)
         secs["load"] = round(time.perf_counter() - t0, 2)
-
-        row["stage"] = "export"
-        t = time.perf_counter()
-        ep = export(loaded.model, spec, torch_dtype(args.kv_dtype))
-        secs["export"] = round(time.perf_counter() - t, 2)
-
-        row["stage"] = "preprocess"  # furiosa's decompositions (STD_DECOMPOSITIONS) and I/O passes
-        t = time.perf_counter()
-        ep, _ = preprocess_exported_program(ep)
-        secs["preprocess"] = round(time.perf_counter() - t, 2)
-        row["nodes"] = sum(1 for n in ep.graph.nodes if n.op == "call_function")
-        row["unsupported_aten"] = unsupported_ops(ep)
-
-        row["stage"] = "import"
-        t = time.perf_counter()
-        compiler.import_dfg(ep)
-        secs["import"] = round(time.perf_counter() - t, 2)
-        if args.stage != "import":
-            row["stage"] = args.stage
-            cc = compiler_config(args.tactic_hint, args.max_unique_shapes)
-            # --no-cache: an empty cache of its own, removed after; the compiler still reads and writes
-            # its default cache with root_dir=None (seen: a graph compiled before came back in 17 s)
-            fresh = tempfile.mkdtemp(prefix="rngd-compile-") if args.no_cache else None
-            root = fresh or config.CacheConfig.default_cache_dir()
-            row["cache_dir"] = None if fresh else root
-            before = set(os.listdir(root)) if root and os.path.isdir(root) else set()
+        # --no-cache: an empty cache of its own, removed after; the compiler still reads and writes
+        # its default cache with root_dir=None (seen: a graph compiled before came back in 17 s)
+        fresh = tempfile.mkdtemp(prefix="rngd-compile-") if args.no_cache else None
+        row["stage"] = args.stage
+        kv = torch_dtype(args.kv_dtype)
+        if args.stage == "compile":
+            store = ArtifactStore(args.artifacts) if args.artifacts else None
+            out = build_graph(loaded.model, spec, kv, args.search, store, cache_root=fresh,
+                              tactic_hint=args.tactic_hint, secs=secs)
+            row["binary_bytes"] = int(out.runnable.binary.numel() * out.runnable.binary.element_size())
+            row["source"] = out.source
+        else:
             t = time.perf_counter()
-            try:
-                with config.cache_context(root_dir=root):
-                    if args.stage == "lower":
-                        compiler.lower(ep, cc, task_name=spec.name)
-                    else:
-                        runnable = compiler.compile(ep, cc, task_name=spec.name)
-                        row["binary_bytes"] = int(runnable.binary.numel() * runnable.binary.element_size())
-                if root:
-                    row["cache"] = "miss" if set(os.listdir(root)) - before else "hit"
-            finally:
-                if fresh:
-                    shutil.rmtree(fresh, ignore_errors=True)
-            secs[args.stage] = round(time.perf_counter() - t, 2)
+            ep = export(loaded.model, spec, kv)
+            secs["export"] = round(time.perf_counter() - t, 2)
+            out = compile_graph(ep, spec, args.search, stage=args.stage, tactic_hint=args.tactic_hint,
+                                cache_root=fresh, secs=secs)
+        row.update(out.info)
         row.update(ok=True, stage="done")
     except BaseException as exc:  # PyO3's PanicException is a BaseException; it is the row's error
         text = f"{type(exc).__name__}: {exc}"
+        if row["stage"] == args.stage:  # the step compile_graph had not finished
+            row["stage"] = next(s for s in ("export", "preprocess", "import", args.stage) if s not in secs)
         row["error"] = _short(text)
         row["refused_ops"] = refused_ops(text)
         if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
             raise
     finally:
+        if fresh:
+            shutil.rmtree(fresh, ignore_errors=True)
         secs["total"] = round(time.perf_counter() - t0, 2)
     return row
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:
-    out = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--stage", args.stage, "--json"]
+    out = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype, "--stage", args.stage, "--json",
+           "--search", search_label(args.search)]
     if args.no_cache:
         out.append("--no-cache")
     if args.tactic_hint:
         out += ["--tactic-hint", args.tactic_hint]
-    if args.max_unique_shapes:
-        out += ["--max-unique-shapes", str(args.max_unique_shapes)]
+    if args.model:
+        out += ["--model", args.model]
+    if args.artifacts:
+        out += ["--artifacts", args.artifacts]
     out += ["--max-rss-gb", str(args.max_rss_gb)]
     return out
 
@@ -616,18 +737,18 @@ def run_child(spec: GraphSpec, args: argparse.Namespace) -> dict[str, Any]:
 
 class CardWorker:
     """What the RngdRuntime worker does with each message, on one device: the compiled graphs,
-    every layer's weights and the KV caches resident there. `compile_graph(exported_program, name)`
-    returns a callable on `device` (furiosa's `CompileModule.from_exported(...).to(device)` in
-    `serve`; tests pass the exported program's own module on the CPU, to run this logic against
-    the model without a card).
+    every layer's weights and the KV caches resident there. `build(spec, kv_dtype)` returns one
+    graph as a callable on `device` (on a card `card_builder`: `build_graph`, the artifact or the
+    compile, loaded with `.to(furiosa:N)`; tests pass the exported program's own module on the
+    CPU, to run this logic against the model without a card).
 
     A prompt shorter than a compiled chunk is padded with zero rows after its last token (causal
     attention: its rows never see them; the head reads row n - 1), a past up to its bucket (masked
     in the graph); a decode step of fewer rows than a compiled width with copies of its first row
     (same token, position and slot: the padded rows write the same bits to the same place)."""
 
-    def __init__(self, model: Any, device: Any, compile_graph: Any, memory: Any = None) -> None:
-        self.model, self.device, self.compile_graph, self.memory = model, device, compile_graph, memory
+    def __init__(self, model: Any, device: Any, build: Any, memory: Any = None) -> None:
+        self.model, self.device, self.build, self.memory = model, device, build, memory
         self.weights = [tuple(w.to(device) for w in ws) for ws in layer_weights(model)]
         self.head_w = tuple(w.to(device) for w in head_weights(model))
         self.graphs: dict[str, Any] = {}
@@ -649,8 +770,7 @@ class CardWorker:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    ep = export(model, spec, torch_dtype(msg["kv_dtype"]))
-                    self.graphs[spec.name] = self.compile_graph(ep, spec.name)
+                    self.graphs[spec.name] = self.build(spec, torch_dtype(msg["kv_dtype"]))
                     rows.append({"name": spec.name, "shape": spec.shape, "ok": True})
                 except Exception as exc:
                     rows.append({"name": spec.name, "shape": spec.shape, "ok": False,
@@ -722,19 +842,19 @@ class CardWorker:
             return {"error": f"{type(exc).__name__}: {_short(str(exc), 2000)}"}, []
 
 
-def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - needs a card
+def serve(index: int, source: str, dtype: str, options: CompileOptions) -> int:  # pragma: no cover - a card
     """The RngdRuntime worker: messages on stdin/stdout (rngd_pd.devices.rngd.messages) handled
-    by a CardWorker on `furiosa:<index>`. NOT verified on a card: written against furiosa-torch
-    2026.4's sources (CompileModule.from_exported, .to(device), forward); its message handling runs
-    in tests with CPU graphs."""
+    by a CardWorker on `furiosa:<index>`, its graphs from `card_builder` (the artifacts in
+    `options.artifacts`, or compiled with `options.search`, said on stderr: the model's log). NOT
+    verified on a card: the load onto the device and the calls are written against furiosa-torch
+    2026.4's sources (CompileModule, .to(device), forward); the message handling runs in tests with
+    CPU graphs, and `card_builder` up to the device in the RNGD tests."""
     import torch
-    from furiosa.torch import CompileModule
 
     dev = torch.device(f"furiosa:{index}")
     loaded = load_model(source, dtype=torch_dtype(dtype), progress=False)
-    worker = CardWorker(loaded.model, dev,
-                        lambda ep, name: CompileModule.from_exported(ep, task_name=name).to(dev),
-                        lambda: memory(index))
+    build = card_builder(loaded.model, dev, options, _log)
+    worker = CardWorker(loaded.model, dev, build, lambda: memory(index))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
     while True:
@@ -745,6 +865,10 @@ def serve(index: int, source: str, dtype: str) -> int:  # pragma: no cover - nee
         header, out = worker.answer(msg, ts)
         stdout.write(pack_message(header, out))
         stdout.flush()
+
+
+def _log(text: str) -> None:
+    print(f"rngd: {text}", file=sys.stderr, flush=True)
 
 
 def _spec_by_name(name: str) -> GraphSpec:
@@ -760,14 +884,18 @@ def _spec_by_name(name: str) -> GraphSpec:
     return GraphSpec("decode", "head", b=int(m.group(6)))
 
 
-def _print_row(row: dict[str, Any], as_json: bool) -> None:
+def _row_text(row: dict[str, Any], as_json: bool) -> str:
     if as_json:
-        print(json.dumps(row), flush=True)
-        return
-    status = "ok" if row.get("ok") else f"FAILED at {row.get('stage')}"
-    print(f"{row['name']:<22} {row['dtype']:<5} {status:<22} {row.get('seconds', {}).get('total', '?')} s"
-          + (f"  refused {row['refused_ops']}" if row.get("refused_ops") else "")
-          + (f"\n    {row['error'][-600:]}" if row.get("error") else ""), flush=True)
+        return json.dumps(row)
+    status = ("reused" if row.get("source") == "artifacts" else "ok") if row.get("ok") \
+        else f"FAILED at {row.get('stage')}"
+    return (f"{row['name']:<22} {row['dtype']:<5} {status:<22} {row.get('seconds', {}).get('total', '?')} s"
+            + (f"  refused {row['refused_ops']}" if row.get("refused_ops") else "")
+            + (f"\n    {row['error'][-600:]}" if row.get("error") else ""))
+
+
+def _print_row(row: dict[str, Any], as_json: bool) -> None:
+    print(_row_text(row, as_json), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -789,9 +917,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", choices=STAGES, default="compile",
                     help="how far to go: import (the DFG import that refuses ops), lower, compile")
     ap.add_argument("--tactic-hint", help="a furiosa TacticHintConfig name, e.g. ForLlmModelIOBound")
-    ap.add_argument("--max-unique-shapes", type=int,
-                    help="CompilerConfig.max_num_unique_shapes: bounds the tactic search (16: a prefill "
-                         "layer compiles ~5x faster; its tactics may run slower on a card)")
+    ap.add_argument("--search", type=parse_search, default=DEFAULT_SEARCH,
+                    help=f"the compiler's tactic search: `full` (furiosa's default) or a bound of N unique "
+                         f"shapes (max_num_unique_shapes; default {DEFAULT_SEARCH}: the prefill layer "
+                         "compiles in minutes, not hours; its tactics may run slower on a card)")
+    ap.add_argument("--artifacts", default="",
+                    help="--compile-only --stage compile: the artifact directory: graphs it holds are "
+                         "skipped, the others compiled into it; --serve: load graphs from it")
+    ap.add_argument("--progress", action="store_true", help="a progress bar on stderr")
+    ap.add_argument("--only", type=lambda t: {n.strip() for n in t.split(",") if n.strip()}, default=set(),
+                    help="only these graphs (names, comma-separated) of the shapes' graphs")
+    ap.add_argument("--model", default=None, help="GGUF file or checkpoint directory (default: embedded)")
     ap.add_argument("--max-rss-gb", type=float, default=12.0,
                     help="kill a compile whose resident memory passes this (0: no limit)")
     ap.add_argument("--toolchain", action="store_true",
@@ -801,22 +937,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile this graph in-process
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # RngdRuntime's worker
     ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.toolchain:
         return ensure_toolchain(install=args.install)
     if args.serve:
-        return serve(args.device_index, args.model, args.dtype)
+        return serve(args.device_index, args.model, args.dtype, CompileOptions(args.search, args.artifacts))
     if args.one:
         row = compile_one(_spec_by_name(args.one), args)
         _print_row(row, True)
         return 0 if row["ok"] else 1
+    store = ArtifactStore(args.artifacts) if args.artifacts and args.stage == "compile" else None
+    config = open_checkpoint(args.model).config() if store else None
     failed = 0
-    for spec in specs(args.chunks, args.decode, args.past):
-        row = run_child(spec, args)
+    every = specs(args.chunks, args.decode, args.past)
+    todo = [g for g in every if not args.only or g.name in args.only]
+    if args.only - {g.name for g in todo}:
+        raise SystemExit(f"--only {sorted(args.only - {g.name for g in todo})}: not among these shapes' "
+                         f"graphs {[g.name for g in every]}")
+    bar = tqdm(todo, unit="graph", file=sys.stderr, disable=not args.progress, dynamic_ncols=True)
+    for spec in bar:
+        bar.set_postfix_str(spec.name)
+        key = artifact_key(config, spec, args.dtype, args.kv_dtype, args.search) if store else None
+        info = store.find(key) if store and key else None
+        row = _reused_row(spec, args, info) if info else run_child(spec, args)
         failed += not row.get("ok")
-        _print_row(row, args.json)
+        bar.write(_row_text(row, args.json), file=sys.stdout)
     return 1 if failed else 0
+
+
+def _reused_row(spec: GraphSpec, args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
+    """The row of a graph the artifact directory holds already: nothing compiled."""
+    return {**_row_base(spec, args), "ok": True, "stage": "done", "source": "artifacts", "error": "",
+            "binary_bytes": info["bytes"], "artifact": str(ArtifactStore(args.artifacts).root),
+            "seconds": {"total": 0.0}, "sdk": info.get("sdk", {})}
 
 
 if __name__ == "__main__":

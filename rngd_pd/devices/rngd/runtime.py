@@ -33,15 +33,17 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rngd_pd.config.dtypes import lookup, short_dtype, torch_dtype
+from rngd_pd.config.dtypes import AUTO, lookup, short_dtype, torch_dtype
 from rngd_pd.devices.base import Device, unavailable
+from rngd_pd.devices.cpu_features import choose_compute_dtype
 from rngd_pd.devices.npu import RNGD, cards
+from rngd_pd.devices.rngd.artifacts import DEFAULT_SEARCH, CompileOptions, search_label
 from rngd_pd.devices.rngd.env import MAKE_HINT, repo_root, require_rngd_python, rngd_env, rngd_python
 from rngd_pd.devices.rngd.messages import pack_message, read_message
 from rngd_pd.devices.runtime import (
@@ -50,12 +52,13 @@ from rngd_pd.devices.runtime import (
     KVList,
     MemoryInfo,
     OnLayer,
-    past_buckets,
-    plan_buckets,
+    decode_shapes,
+    prefill_shapes,
     step_parts_in_turn,
 )
 from rngd_pd.errors import ConfigError, RngdPdError
 from rngd_pd.host.children import killed_with_parent
+from rngd_pd.model.checkpoint import open_checkpoint
 
 DRIVER_LIB = "renegade"  # librenegade.so, the HAL library of the RNGD driver (the SDK panics without it)
 _GRAPHS = "rngd_pd.devices.rngd.graphs"
@@ -74,6 +77,7 @@ def graph_args(shapes: GraphShapes) -> list[str]:
 
 
 _PARAM = re.compile(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+CONFIGS = ("rngd", "default")  # `rngd-pd compile --config`: configs/rngd.pbtxt, or each model's config.pbtxt
 
 
 def pbtxt_parameters(path: Path) -> dict[str, str]:
@@ -81,19 +85,54 @@ def pbtxt_parameters(path: Path) -> dict[str, str]:
     return dict(_PARAM.findall(path.read_text()))
 
 
-def configured_shapes(root: Path | None = None) -> GraphShapes:
-    """The graphs the shipped model repository asks of an RNGD card: prefill's chunk_size and the
-    past buckets of its max_len (model_repository/prefill/config.pbtxt, device rngd, as
-    PrefillEngine plans them) and every decode bucket of decode/configs/rngd.pbtxt (num_slots x each
-    bucket of max_len, as DecodeEngine plans them)."""
+def model_configs(config: str = "rngd", root: Path | None = None) -> dict[str, Path]:
+    """{model: the config file tritonserver loads} under `--model-config-name <config>`:
+    <model>/configs/<config>.pbtxt where it exists, else <model>/config.pbtxt (as tritonserver
+    falls back); "default": every model's config.pbtxt."""
+    if config not in CONFIGS:
+        raise ConfigError(f"config {config!r}: one of {', '.join(CONFIGS)}")
     repo = (root or repo_root()) / "model_repository"
-    pre = pbtxt_parameters(repo / "prefill" / "config.pbtxt")
-    dec = pbtxt_parameters(repo / "decode" / "configs" / "rngd.pbtxt")
-    plan = plan_buckets(int(dec["num_slots"]), int(dec["max_len"]), None)
-    chunk = int(pre["chunk_size"])
-    return GraphShapes(prefill_chunks=(chunk,), prefill_past=past_buckets(chunk, int(pre["max_len"])),
-                       decode=tuple((slots, n) for n, slots in plan.items()),
-                       dtype="bf16", kv_dtype=dec.get("kv_dtype", "bf16"))
+    out = {}
+    for main in sorted(repo.glob("*/config.pbtxt")):
+        variant = main.parent / "configs" / f"{config}.pbtxt"
+        out[main.parent.name] = variant if config != "default" and variant.exists() else main
+    return out
+
+
+def configured_shapes(config: str = "rngd", model: str | None = None,
+                      root: Path | None = None) -> GraphShapes:
+    """Every graph the model repository asks of an RNGD card under `config` (model_configs): for
+    each model whose `device` is rngd, what its engines prepare (`prefill_shapes` of its chunk_size
+    and max_len, `decode_shapes` of its num_slots and max_len; colocated both), max_len capped by
+    the model's context as the engines cap it; compute dtype as the card loads it
+    (`choose_compute_dtype` on rngd: bf16 unless a config forces another). The union, in one
+    GraphShapes; models that disagree on dtypes are a ConfigError."""
+    context = open_checkpoint(model).config().max_context
+    chunks, past, decode, dtypes = set(), set(), set(), set()
+    for path in model_configs(config, root).values():
+        p = pbtxt_parameters(path)
+        if p.get("device") != "rngd":
+            continue
+        max_len = min(int(p.get("max_len", context)), context)
+        kv = p.get("kv_dtype", "bf16")
+        dtypes.add((choose_compute_dtype(p.get("dtype") or AUTO, device="rngd").dtype, kv))
+        parts = []
+        if "chunk_size" in p:
+            parts.append(prefill_shapes(int(p["chunk_size"]), max_len, kv))
+        if "num_slots" in p:
+            parts.append(decode_shapes(int(p["num_slots"]), max_len, kv))
+        if not parts:
+            raise ConfigError(f"{path}: device rngd, but neither chunk_size nor num_slots: which graphs?")
+        for shapes in parts:
+            chunks.update(shapes.prefill_chunks)
+            past.update(shapes.prefill_past)
+            decode.update(shapes.decode)
+    if len(dtypes) > 1:
+        raise ConfigError(f"the rngd models of config {config!r} differ in (compute, KV) dtypes "
+                          f"{sorted(dtypes)}: give them one compute and one KV dtype")
+    dtype, kv = dtypes.pop() if dtypes else ("bf16", "bf16")
+    return GraphShapes(prefill_chunks=tuple(sorted(chunks)), decode=tuple(sorted(decode)), dtype=dtype,
+                       kv_dtype=kv, prefill_past=tuple(sorted(past)))
 
 
 def parse_rows(text: str) -> list[dict[str, Any]]:
@@ -122,29 +161,52 @@ def _run_module(python: Path, args: list[str], timeout: float | None,
 
 def compile_check(shapes: GraphShapes | None = None, *, stage: str = "compile",
                   timeout: float | None = None, per_graph_timeout: float = 7200.0, no_cache: bool = False,
-                  max_unique_shapes: int | None = None,
+                  search: int | None = DEFAULT_SEARCH, model: str | None = None,
                   env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Export each graph `shapes` need (DEFAULT_SHAPES when None; a layer and a head graph per
     shape, rngd.graphs) and take it through the furiosa compiler in `.venv-rngd` up to `stage`:
     "import" (furiosa's decompositions and the DFG import, where unsupported ops are refused:
     seconds a graph), "lower" or "compile" (the whole compiler down to the binary: minutes a graph
-    on a 2-core host, seconds from the furiosa cache). `max_unique_shapes` bounds the compiler's
-    tactic search (CompilerConfig.max_num_unique_shapes: 16 compiles a prefill layer ~5x faster, with
-    tactics that may run slower on a card): a check that every op and shape compiles, in CI's
-    time, not the binary to serve. One row per graph; a refused or failed graph
-    is a row with ok False, not an exception; a missing environment is DeviceUnavailableError
-    (naming `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr."""
+    on a 2-core host, seconds from the furiosa cache), through `rngd.graphs.compile_graph`, the
+    call serving compiles with, with the same tactic `search` (artifacts.DEFAULT_SEARCH unless told
+    otherwise; None: furiosa's full search). One row per graph; a refused or failed graph is a row
+    with ok False, not an exception; a missing environment is DeviceUnavailableError (naming
+    `make rngd-env`), a run that printed no rows at all RngdPdError with its stderr."""
     python = require_rngd_python(env)
     shapes = DEFAULT_SHAPES if shapes is None else shapes
-    proc = _run_module(python, [_GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
-                                "--timeout", str(per_graph_timeout)] + (["--no-cache"] if no_cache else [])
-                       + (["--max-unique-shapes", str(max_unique_shapes)] if max_unique_shapes else []),
-                       timeout, env)
+    args = [_GRAPHS, "--compile-only", *graph_args(shapes), "--stage", stage, "--json",
+            "--timeout", str(per_graph_timeout), "--search", search_label(search)]
+    args += (["--no-cache"] if no_cache else []) + (["--model", model] if model else [])
+    proc = _run_module(python, args, timeout, env)
     rows = parse_rows(proc.stdout)
     if not rows and (shapes.prefill_chunks or shapes.decode):
         raise RngdPdError(f"rngd.graphs printed no results (exit status {proc.returncode}): "
                           f"{proc.stderr[-2000:].strip()}")
     return rows
+
+
+def compile_artifacts(shapes: GraphShapes, out: str | Path, *, search: int | None = DEFAULT_SEARCH,
+                      model: str | None = None, only: Sequence[str] = (), per_graph_timeout: float = 7200.0,
+                      env: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """`rngd-pd compile`: every graph of `shapes` into the artifact directory `out`, one row per
+    graph as it is done (source "artifacts": it was there already, nothing compiled; else
+    compiled by `rngd.graphs.compile_graph` and saved); `only`: just these graph names. The
+    `.venv-rngd` process draws its progress bar on this process's stderr."""
+    python = require_rngd_python(env)
+    cmd = [str(python), "-m", _GRAPHS, "--compile-only", *graph_args(shapes), "--stage", "compile", "--json",
+           "--progress", "--timeout", str(per_graph_timeout), "--search", search_label(search),
+           "--artifacts", str(Path(out).resolve())] + (["--model", model] if model else [])
+    cmd += ["--only", ",".join(only)] if only else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=repo_root(),
+                            env={**os.environ, **(env or {})}, preexec_fn=killed_with_parent)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            yield from parse_rows(line)
+    finally:
+        proc.stdout.close()
+        if proc.wait() not in (0, 1):  # 1: some graph failed, and its row says so
+            raise RngdPdError(f"rngd.graphs exited with status {proc.returncode} (its stderr is above)")
 
 
 def smi_snapshot(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> dict[str, Any]:
@@ -192,9 +254,10 @@ def check_card(device: Device, env: Mapping[str, str] | None = None) -> None:
 class _Worker:
     """The `.venv-rngd` process that owns the card (rngd.graphs --serve). Not verified: no card."""
 
-    def __init__(self, python: Path, device: Device, source: str, dtype: str) -> None:
+    def __init__(self, python: Path, device: Device, source: str, dtype: str,
+                 options: CompileOptions) -> None:
         cmd = [str(python), "-m", _GRAPHS, "--serve", "--device-index", str(device.index),
-               "--model", source, "--dtype", dtype]
+               "--model", source, "--dtype", dtype, *options.args()]
 
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
                                      cwd=repo_root(), preexec_fn=killed_with_parent)
@@ -243,12 +306,15 @@ class RngdRuntime:
     is verified. Graphs have static shapes: `prepare` compiles (or takes from the furiosa cache)
     each prefill chunk and decode (width, bucket) in the worker and loads them onto the card."""
 
-    def __init__(self, device: Device, loaded: Any, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, device: Device, loaded: Any, env: Mapping[str, str] | None = None,
+                 options: CompileOptions | None = None) -> None:
+        """`options`: the compiler's tactic search and the artifact directory the worker loads its
+        graphs from (a graph missing there is compiled, said in the log, and saved there)."""
         if device.kind != "rngd":
             raise unavailable(f"RngdRuntime cannot run on {device.kind!r}", "use device rngd")
         check_card(device, env)  # raises here, on every host without a card and its driver
         worker = _Worker(require_rngd_python(env), device, loaded.source,  # pragma: no cover - a card
-                         short_dtype(loaded.model.dtype))
+                         short_dtype(loaded.model.dtype), options or CompileOptions())
         self._attach(device, loaded, worker)  # pragma: no cover
 
     @classmethod

@@ -55,33 +55,32 @@ def test_environment_without_its_stamp_counts_as_missing(tmp_path):
         rngd_envs.require_rngd_python(env)
 
 
-def test_compile_check_passes_the_search_bound_and_conformance_names_it(tmp_path, monkeypatch):
-    """--max-unique-shapes reaches rngd_graphs only when asked, and the check's detail says the
-    search was bounded (a binary compiled so is a check, not the one to serve)."""
+def test_compile_check_passes_the_search_and_conformance_names_it(tmp_path, monkeypatch):
+    """--search reaches rngd_graphs every time (the bound serving compiles with unless told
+    otherwise), and the check's detail says which search made the binary."""
     env = _fake_env(tmp_path)
     python = tmp_path / "venv-rngd" / "bin" / "python"  # answers with a row of what it was asked
     python.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
         import json, sys
         a = sys.argv
-        bound = int(a[a.index("--max-unique-shapes") + 1]) if "--max-unique-shapes" in a else None
+        search = a[a.index("--search") + 1]
         print(json.dumps({"name": "prefill_layer_t32", "graph": "prefill", "part": "layer", "shape": "T=32",
-                          "ok": True, "stage": "done", "binary_bytes": 1, "max_unique_shapes": bound,
-                          "argv": a[1:]}))
+                          "ok": True, "stage": "done", "binary_bytes": 1, "search": search, "argv": a[1:]}))
         """))
     python.chmod(0o755)
     shapes = GraphShapes(prefill_chunks=(32,))
-    (row,) = rngd.compile_check(shapes, no_cache=True, max_unique_shapes=16, env=env)
-    assert row["argv"][-3:] == ["--no-cache", "--max-unique-shapes", "16"]
-    (row,) = rngd.compile_check(shapes, env=env)
-    assert "--max-unique-shapes" not in row["argv"] and "--no-cache" not in row["argv"]
+    (row,) = rngd.compile_check(shapes, no_cache=True, env=env)
+    assert row["argv"][-3:] == ["--search", "16", "--no-cache"]
+    (row,) = rngd.compile_check(shapes, search=None, env=env)
+    assert row["argv"][-2:] == ["--search", "full"] and "--no-cache" not in row["argv"]
     from rngd_pd.commands import device_conformance as conformance
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    (check,) = conformance.compile_only("rngd", shapes, "compile", max_unique_shapes=16)
-    (plain,) = conformance.compile_only("rngd", shapes, "compile")
+    (check,) = conformance.compile_only("rngd", shapes, "compile")
+    (full,) = conformance.compile_only("rngd", shapes, "compile", search=None)
     assert check.ok and check.detail.endswith("binary 1 bytes, tactic search bounded to 16 shapes")
-    assert plain.detail.endswith("binary 1 bytes")
+    assert full.detail.endswith("binary 1 bytes, furiosa's full tactic search")
 
 
 def test_parse_rows_keeps_only_result_lines():
@@ -325,6 +324,14 @@ def test_configured_shapes_follow_the_model_repository():
     assert shapes.prefill_chunks == (512,)  # prefill/config.pbtxt chunk_size, device rngd
     assert shapes.prefill_past == (512, 1024, 2048, 4096)  # ... and its max_len
     assert shapes.decode == ((8, 512), (8, 2048), (8, 4096))  # decode/configs/rngd.pbtxt
+    assert (shapes.dtype, shapes.kv_dtype) == ("bf16", "bf16")  # the card's dtype, whatever the host
+    files = rngd.model_configs("rngd")
+    assert files["decode"].name == "rngd.pbtxt" and files["prefill"].name == "config.pbtxt"
+    # config.pbtxt everywhere: decode is on atom there, colocated (device rngd) needs the same graphs
+    assert rngd.model_configs("default")["decode"].name == "config.pbtxt"
+    assert rngd.configured_shapes("default") == shapes
+    with pytest.raises(ConfigError, match="one of rngd, default"):
+        rngd.model_configs("cuda")
 
 
 def _rngd_ready_or_skip():
@@ -378,7 +385,7 @@ def test_rngd_compile_only_conformance():
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g}@import", w, "ok") for g, w in want]
     first_past = dataclasses.replace(shapes, prefill_past=shapes.prefill_past[:1])
     rows = _conformance("--stage", "compile", *rngd.graph_args(first_past), "--no-cache",
-                        "--max-unique-shapes", "16", "--timeout", "2400", timeout=4800)
+                        "--timeout", "2400", timeout=4800)  # the search serving uses: bounded to 16 shapes
     built = rngd_graphs.specs(first_past.prefill_chunks, first_past.decode, first_past.prefill_past)
     assert [(r[0], r[1], r[2]) for r in rows] == [(f"{g.kind}_{g.part}@compile", g.shape, "ok")
                                                   for g in built]
@@ -501,7 +508,8 @@ def _card_on_cpu_graphs(smollm, dtype):
     model = Llama(smollm.config, dtype)
     model.load_state_dict(smollm.model.state_dict())
     loaded = dataclasses.replace(smollm, model=model.eval())
-    worker = rngd_graphs.CardWorker(loaded.model, torch.device("cpu"), lambda ep, name: ep.module())
+    worker = rngd_graphs.CardWorker(loaded.model, torch.device("cpu"),
+                                    lambda spec, kv: rngd_graphs.export(loaded.model, spec, kv).module())
     channel = _InProcess(worker)
     return rngd.RngdRuntime.over(channel, RNGD0, loaded), channel
 

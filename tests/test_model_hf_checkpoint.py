@@ -15,47 +15,13 @@ import transformers
 from rngd_pd.errors import ModelLoadError
 from rngd_pd.model import load_model
 from rngd_pd.model.generate import greedy
-
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}  # fmt: skip
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-
-
-def _tokenizer_json(path: Path) -> int:
-    """Train a tiny byte-level BPE with three special tokens; return its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    corpus = ["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30]
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    return tok.get_vocab_size()
+from rngd_pd.testing.tiny import write_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(checkpoint dir, the transformers model) for a 2-layer random Llama."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    vocab = _tokenizer_json(d)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
-        rope_scaling=dict(ROPE), tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(d, max_shard_size="100KB")  # several shards + model.safetensors.index.json
-    tok_cfg = {"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}
-    (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    return d, hf
+    """(checkpoint dir, the transformers model) for a 2-layer random Llama (rngd_pd.testing.tiny)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _legacy_layout(src: Path, dst: Path) -> Path:

@@ -300,14 +300,16 @@ def run_checks(dev: DeviceRuntime, ref: Reference, shapes: GraphShapes, steps: i
     return checks
 
 
-def device_runtime(kind: str, device_id: int, dtype: str) -> tuple[DeviceRuntime, Reference]:
-    """(the device's runtime, transformers on the same checkpoint in the same compute dtype)."""
+def device_runtime(kind: str, device_id: int, dtype: str,
+                   model: str | None = None) -> tuple[DeviceRuntime, Reference]:
+    """(the device's runtime, transformers on the same checkpoint in the same compute dtype);
+    `model`: a GGUF file or checkpoint directory (None: the embedded model)."""
     device = select_device(kind, device_id)  # raises naming the missing SDK / card
     try:
-        ref = Reference.load(None, dtype)
+        ref = Reference.load(model, dtype)
     except ModelLoadError as exc:
         raise DeviceUnavailableError(f"no reference: {exc}") from None
-    return runtime_for(device, load_model(None, dtype=torch_dtype(dtype), progress=False)), ref
+    return runtime_for(device, load_model(model, dtype=torch_dtype(dtype), progress=False)), ref
 
 
 def format_table(kind: str, checks: Sequence[Check]) -> str:
@@ -341,6 +343,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="decode steps per shape")
     p.add_argument("--logits-atol", type=float, default=None,
                    help="max |logit diff| (default: TOLERANCES of the compute and KV dtypes)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or checkpoint directory (default: the embedded model)")
     p.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
 
 
@@ -366,7 +370,7 @@ def run(args: argparse.Namespace, shapes: GraphShapes | None = None) -> int:
     if args.logits_atol is not None:
         tol = dataclasses.replace(tol, logits=args.logits_atol)
     try:
-        dev, ref = device_runtime(args.device, args.device_id, short_dtype(shapes.dtype))
+        dev, ref = device_runtime(args.device, args.device_id, short_dtype(shapes.dtype), args.model)
     except DeviceUnavailableError as exc:
         print(f"device conformance: {args.device} cannot be checked here: {exc}", file=sys.stderr)
         return 2

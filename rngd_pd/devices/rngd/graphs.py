@@ -962,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
         row = _reused_row(spec, args, info) if info else run_child(spec, args)
         failed += not row.get("ok")
         bar.write(_row_text(row, args.json), file=sys.stdout)
+        sys.stdout.flush()  # a row as each graph is done: rngd-pd compile reads them from a pipe
     return 1 if failed else 0
 
 

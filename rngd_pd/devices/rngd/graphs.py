@@ -554,8 +554,8 @@ def build_graph(model: Any, spec: GraphSpec, kv_dtype: Any, search: int | None =
                 tactic_hint: str | None = None, secs: dict[str, float] | None = None,
                 log: Any = None) -> CompiledGraph:
     """`spec`'s graph of `model` ready for the card: export, then the binary from `store` when it
-    holds this graph's key (no compile), else `compile_graph` (said through `log` when a store was
-    given: a card host's load that compiles says so), saved into `store`. What the card worker
+    holds this graph's key (no compile), else `compile_graph` (said through `log`: a card host's
+    load that compiles says so), saved into `store`. What the card worker
     runs at load and `rngd-pd compile` runs ahead of time."""
     secs = {} if secs is None else secs
     t = time.perf_counter()
@@ -571,9 +571,10 @@ def build_graph(model: Any, spec: GraphSpec, kv_dtype: Any, search: int | None =
         out = CompiledGraph(spec, program, reconstructor, ir.Runnable.deserialize(data), "artifacts")
         out.info["artifact"] = str(store.root / f"{key.stem}.runnable")
         return out
-    if store is not None and log is not None:
-        log(f"{spec.name} ({spec.shape}) is not in the artifacts {store.root}: compiling it "
-            f"(search {search_label(search)})")
+    if log is not None:
+        where = f"is not in the artifacts {store.root}" if store is not None else \
+            "has no artifact directory (rngd_artifacts; `rngd-pd compile` makes one)"
+        log(f"{spec.name} ({spec.shape}) {where}: compiling it (search {search_label(search)})")
     out = compile_graph(ep, spec, search, tactic_hint=tactic_hint, cache_root=cache_root, secs=secs)
     if store is not None and key is not None:
         path = store.save(key, out.runnable.serialize(), {"seconds": dict(secs), "sdk": sdk_versions()})

@@ -27,7 +27,7 @@ from rngd_pd.config.env import PYTHON, RNGD_PD_RNGD_VENV
 
 SDK = "furiosa-torch==2026.4.0"
 SMI = "furiosa-smi==2026.4.0"  # discovery, power, temperature, memory (rngd_pd/devices/rngd/smi.py)
-EXTRAS = ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm")  # what rngd_pd.model imports
+EXTRAS = ("gguf", "tokenizers", "safetensors", "jinja2", "tqdm", "xxhash")  # what rngd_pd.model imports
 GB = 10**9
 NEED_FRESH = int(8.6 * GB)  # measured: 7.86 GB at the peak of a fresh build (129 s), + 0.7 slack
 NEED_UPDATE = 1 * GB  # a venv that has torch already: the small packages only

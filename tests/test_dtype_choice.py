@@ -192,7 +192,7 @@ def test_load_for_resolves_auto_and_logs_why(monkeypatch, capsys) -> None:
 
     load_for = loading.load_for
     loaded: list = []
-    monkeypatch.setattr(loading, "load_model", lambda path, dtype, progress: loaded.append(dtype))
+    monkeypatch.setattr(loading, "load_weights", lambda params, args, dtype: loaded.append(dtype))
     monkeypatch.setattr(loading, "runtime_for", lambda device, model, rngd=None: types.SimpleNamespace(
         memory=lambda: runtime.MemoryInfo(1 << 30, 1 << 29), share_cores=lambda phase: f"lent ({phase})"))
     monkeypatch.setattr(cpu_features, "read_cpu_features", lambda: parse_cpuinfo(HASWELL))

@@ -124,6 +124,14 @@ def decode_shapes(num_slots: int, max_len: int, kv_dtype: Any = "bf16",
     return GraphShapes(decode=tuple((s, n) for n, s in plan.items()), kv_dtype=kv_dtype)
 
 
+def cat_into(parts: Sequence[Any], dim: int, out: Any) -> None:
+    """Concatenate host tensors along `dim` straight into `out` (one copy, no temporary): the prefix
+    cache assembles a prompt's cached blocks with it, and the engines import no torch themselves."""
+    import torch
+
+    torch.cat(list(parts), dim=dim, out=out)
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """What the device holds and has left, in bytes (host RAM for the CPU)."""

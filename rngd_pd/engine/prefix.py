@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from rngd_pd.devices.runtime import cat_into
 from rngd_pd.engine.kv_events import hashing, messages
 from rngd_pd.engine.kv_events.publisher import EventSink
 from rngd_pd.errors import ConfigError
@@ -119,8 +119,8 @@ class PrefixCache:
             return
         end = len(blocks) * self.block
         for layer, (k, v) in enumerate(kv):
-            torch.cat([t[layer, 0] for t in blocks], dim=1, out=k[:, :end])
-            torch.cat([t[layer, 1] for t in blocks], dim=1, out=v[:, :end])
+            cat_into([t[layer, 0] for t in blocks], 1, k[:, :end])
+            cat_into([t[layer, 1] for t in blocks], 1, v[:, :end])
 
     def insert(self, ids: np.ndarray, kv: KVList, cached_tokens: int = 0,
                names: Sequence[bytes] | None = None) -> int:

@@ -22,7 +22,7 @@ class TokenizerLike(Protocol):
 
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
     def stream_decoder(self) -> StreamDecoderLike: ...
@@ -58,11 +58,12 @@ def completion_prompt(model: ServedModel, prompt: str | list) -> list[int]:
     return ids
 
 
-def chat_prompt(model: ServedModel, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt(model: ServedModel, messages: list[ChatMessage], add_generation_prompt: bool = True
+                ) -> list[int]:
     """Messages -> the model's chat template (with the assistant's turn opened) -> token ids."""
     rendered = model.tokenizer.apply_chat_template(
         [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages],
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
     )
     ids = model.tokenizer.encode(rendered)
     if not ids:

@@ -271,11 +271,10 @@ class Stats:
 
 
 def make_client(url: str, timeout: float):
-    import httpx
     import openai
 
     return openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0,
-                         timeout=httpx.Timeout(timeout, connect=10.0))
+                         timeout=openai.Timeout(timeout, connect=10.0))  # the SDK's own type (3.x: httpx2)
 
 
 def ask(client, model: str, prompt: Prompt, max_tokens: int, stream: bool,

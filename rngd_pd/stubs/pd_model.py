@@ -35,9 +35,12 @@ from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop, Stream
 from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, model_params
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
+from rngd_pd.stubs.weights import parse_op
 from rngd_pd.wire import inputs
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.weights import DRAIN_S
+
+PD_OPS = ("apply_delta", "hold", "release", "state")  # the weight operations pd takes (_weights)
 
 
 class _GenerationModel:
@@ -169,12 +172,7 @@ class PdModel(_GenerationModel):
     def _weights(self, text: str) -> dict[str, Any]:
         """`{"op": "apply_delta", "checkpoint": DIR, "drain_s": S}`, `{"op": "hold", "drain_s": S,
         "max_hold_s": S}` / `{"op": "release"}` (around a variant swap), or `{"op": "state"}`."""
-        try:
-            op = json.loads(text)
-            kind = op["op"]
-        except (ValueError, KeyError, TypeError):
-            raise errors.ConfigError(f"weights_op must be a JSON object with \"op\", "
-                                     f"got {text[:200]!r}") from None
+        kind, op = parse_op(text, PD_OPS)
         if kind == "apply_delta" and op.get("checkpoint"):
             result = self.switch.apply_delta(str(op["checkpoint"]), float(op.get("drain_s", DRAIN_S)))
             pbutils.log(f"pd: weight update {json.dumps(result)}")

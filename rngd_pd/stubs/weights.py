@@ -30,6 +30,16 @@ from rngd_pd.model.weights import LoadedModel, from_store
 from rngd_pd.stubs import pbutils
 
 OPS = ("stage", "commit", "abort", "state")
+
+
+def parse_op(text: str, ops: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """The `weights_op` input (a JSON object with "op") as (op, object); ConfigError naming `ops`."""
+    try:
+        op = json.loads(text)
+        return op["op"], op
+    except (ValueError, KeyError, TypeError):
+        raise errors.ConfigError(f"weights_op must be a JSON object with \"op\" one of {', '.join(ops)}, "
+                                 f"got {text[:200]!r}") from None
 UNLOADING = UNLOADING_LINE
 
 
@@ -45,12 +55,7 @@ class WeightsControl:
         self._lock = threading.Lock()
 
     def handle(self, text: str) -> dict[str, Any]:
-        try:
-            op = json.loads(text)
-            kind = op["op"]
-        except (ValueError, KeyError, TypeError):
-            raise errors.ConfigError(f"weights_op must be a JSON object with \"op\" one of {', '.join(OPS)}, "
-                                     f"got {text[:200]!r}") from None
+        kind, op = parse_op(text, OPS)
         with self._lock:
             if kind == "state":
                 return self.state()

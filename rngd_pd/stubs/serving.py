@@ -52,8 +52,10 @@ class DecodeParams(ServingParams):
     # It includes the time the request waits in prefill's queue, so it is generous; a prefill that fails
     # makes pd cancel the decode request, which ends the wait at once.
     kv_timeout_s: float = param(300.0, help="how long decode waits for a request's KV")
-    local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself, "
-                                               "no hand-off (-1 = measured at load, 0 = never)")
+    # Off by default: on the 2-core hosts measured it did not pay (docs/benchmarks.md, "Conditional
+    # disaggregation on the current code").
+    local_prefill_tokens: int = param(0, help="prompts up to this long are prefilled by decode itself, "
+                                              "no hand-off (0 = never, -1 = measured at load)")
     pack_weights: bool = param(True, help="cpu: keep oneDNN-packed copies of the weights for decode "
                                           "(faster, batch-invariant; one more copy of the model in "
                                           "memory); false: decode runs on the shared weights (an 8B "

@@ -69,3 +69,19 @@ def test_the_grammar_ends_the_request(colocated, smollm) -> None:
     regex = Structured("regex", r"(Yes|No), because [a-z ]{1,20}\.").to_json()
     res = colocated.generate(ids, SamplingParams(max_tokens=30, temperature=0.8, seed=3, structured=regex))
     assert re.fullmatch(r"(Yes|No), because [a-z ]{1,20}\.", res.text), res
+
+
+def test_a_tokenizer_the_grammar_engine_refuses_still_serves_unconstrained_requests(smollm) -> None:
+    """A checkpoint whose EOS id lies outside its tokenizer (llguidance refuses such a tokenizer):
+    unconstrained requests never build llguidance's view; a constrained one gets an error naming it."""
+    from rngd_pd.errors import ConfigError
+    from rngd_pd.model.grammar import Grammars
+
+    class OutOfRangeEos:  # the embedded tokenizer, with a Llama-3.1 EOS id it does not hold
+        def __init__(self, inner) -> None:
+            self.tok, self.eos_token_ids = inner.tok, (128001,)
+
+    grammars = Grammars(OutOfRangeEos(smollm.tokenizer))
+    assert grammars.constraint(None) is None and grammars.constraint("") is None
+    with pytest.raises(ConfigError, match="llguidance"):
+        grammars.constraint(Structured("json_schema", SCHEMA).to_json())

@@ -6,6 +6,7 @@ the tokens of a fresh load of the new checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -177,3 +178,15 @@ def test_a_dead_builder_leaves_nothing(root):
     hold = root.build("x")  # not blocked by the dead builder: its directory is swept first
     assert hold.path.name.startswith(".building-x-")
     hold.release()
+
+
+def test_a_made_checkpoint_stops_on_ids_its_tokenizer_holds(ckpt):
+    """write_checkpoint ships the embedded tokenizer, so the config's BOS/EOS are that tokenizer's
+    (a Llama-3.1 shape's own 128000+ ids would be ids no text maps to)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(ckpt / "tokenizer.json")).get_vocab_size()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    ids = [cfg["bos_token_id"], *cfg["eos_token_id"], *gen["eos_token_id"]]
+    assert all(0 <= i < vocab for i in ids), (ids, vocab)

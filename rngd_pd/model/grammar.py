@@ -98,32 +98,51 @@ class Grammars:
     deep-copied per request. Thread-safe."""
 
     def __init__(self, tokenizer: Any) -> None:
-        """tokenizer: rngd_pd.model.Tokenizer (its `tok` is a `tokenizers.Tokenizer`)."""
-        eos = list(tokenizer.eos_token_ids)
-        self._tok = llguidance.LLTokenizer(tokenizer.tok.to_str(), eos_token=eos or None)
-        self.vocab = self._tok.vocab_size  # the mask's size; logits rows past it are masked out
+        """tokenizer: rngd_pd.model.Tokenizer (its `tok` is a `tokenizers.Tokenizer`). llguidance's
+        view of it is built on the first constrained request, so a tokenizer llguidance refuses
+        still serves every unconstrained one."""
+        self._tokenizer = tokenizer
+        self._view: llguidance.LLTokenizer | None = None
         self._eos = tuple(tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def _tok(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._view is None:
+                try:
+                    self._view = llguidance.LLTokenizer(self._tokenizer.tok.to_str(),
+                                                        eos_token=list(self._eos) or None)
+                except ValueError as e:
+                    raise ConfigError(f"structured outputs need a tokenizer the grammar engine "
+                                      f"(llguidance) accepts; this model's does not: {e}") from None
+            return self._view
+
+    @property
+    def vocab(self) -> int:
+        """The mask's size; logits rows past it are masked out."""
+        return self._tok.vocab_size
 
     def constraint(self, structured: str | None) -> GrammarConstraint | None:
         """The constraint of a request's `structured` wire text (None: unconstrained)."""
         if not structured:
             return None
         grammar = Structured.from_json(structured).grammar()
+        tok = self._tok
         with self._lock:
             base = self._parsed.get(grammar)
             if base is not None:
                 self._parsed.move_to_end(grammar)
         if base is None:
-            base = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+            base = llguidance.LLMatcher(tok, grammar, log_level=0)
             if base.is_error():
                 raise ConfigError(f"the structured output cannot be enforced: {base.get_error()}")
             with self._lock:
                 self._parsed[grammar] = base
                 while len(self._parsed) > MATCHER_CACHE:
                     self._parsed.popitem(last=False)
-        return GrammarConstraint(base.deep_copy(), self.vocab, self._eos)
+        return GrammarConstraint(base.deep_copy(), tok.vocab_size, self._eos)
 
 
 _BY_TOKENIZER: dict[int, tuple[Any, Grammars]] = {}  # id -> (the tokenizer, kept alive; its Grammars)

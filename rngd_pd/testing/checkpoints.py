@@ -9,6 +9,7 @@ tokenizer_config.json with its chat template, generation_config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,8 +52,11 @@ def hf_config(c: ModelConfig) -> dict:
 def write_checkpoint(dst: Path, config: ModelConfig, tensors: Iterable[tuple[str, Tensor]],
                      shard_bytes: int = SHARD_BYTES) -> Path:
     """Write a checkpoint directory from (Hugging Face name, tensor), sharded; the embedded model's
-    tokenizer and chat template go with it."""
+    tokenizer and chat template go with it, and so its BOS and EOS ids go into the config (a Llama-3.1
+    shape's own ids, 128000+, are not in that tokenizer: no engine could stop on them)."""
     dst.mkdir(parents=True, exist_ok=True)
+    ids = open_checkpoint(None).config()
+    config = dataclasses.replace(config, bos_token_id=ids.bos_token_id, eos_token_ids=ids.eos_token_ids)
     (dst / "config.json").write_text(json.dumps(hf_config(config), indent=1))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(config.eos_token_ids)}))
     _copy_tokenizer(dst)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -112,11 +113,31 @@ def test_bad_workloads_are_rejected(workload: dict, config: dict, needle: str) -
         airm.run(workload, dry_run=True, **config)
 
 
+def _free_port_run(n: int, tries: int = 50) -> int:
+    """A port p with p..p+n-1 all free a moment ago: a lone free port's neighbours may be another
+    test's servers."""
+    for _ in range(tries):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in {tries} tries")
+
+
 @pytest.mark.e2e
 def test_run_starts_serve_and_sigterm_stops_it(tmp_path: Path) -> None:
     require_tritonserver()
     repo = echo_repository(tmp_path)
-    port = free_port()
+    port = _free_port_run(4)  # serve takes port..port+3 (OpenAI, Triton HTTP, gRPC, metrics)
     proc = airm.run({"kind": "all"}, port=port, args=["--repository", str(repo), "--openai-port", "-1"])
     try:
         deadline = time.monotonic() + 120

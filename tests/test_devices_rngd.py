@@ -213,7 +213,10 @@ def test_layer_and_head_graphs_compute_what_the_model_computes(smollm_bf16):
     logits, kv = rngd_graphs.prefill_chain(*_graphs(m, "prefill", t=40), x, torch.tensor([n - 1]),
                                            weights, head_w)
     short_logits, short_kv = m.prefill(tokens[:n])
-    assert torch.allclose(logits, short_logits, atol=0.05, rtol=0)
+    # Padding changes the matmuls' row count, and with it the kernel's blocking: bit-identical on
+    # AVX512-BF16 CPUs, a few bf16 ulps apart after 30 layers where AMX-BF16 tiles the rows.
+    ulp = torch.pow(2.0, torch.floor(torch.log2(short_logits.float().abs().clamp_min(2**-8))) - 7)
+    assert ((logits.float() - short_logits.float()).abs() <= 4 * ulp).all()
     assert torch.equal(logits.argmax(), short_logits.argmax())
     assert all(torch.allclose(a[:, :n].float(), b.float(), atol=0.02, rtol=0.02)
                for a, b in zip(kv, [t for pair in short_kv for t in pair], strict=True))

@@ -40,7 +40,8 @@ def _scalar(get: Getter, name: str) -> object | None:
 def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingParams:
     """SamplingParams from optional tensors (`get(name)` returns the numpy array or None); building it
     checks it (ConfigError naming the bad input). `max_tokens` given: that many, and the required
-    input of that name is not read (prefill samples one token, whatever the request asks)."""
+    input of that name is not read (prefill samples one token, whatever the request asks; a
+    min_tokens above it counts as that many: the first token may not end the request)."""
     values: dict[str, object] = {}
     requested = _scalar(get, T.MAX_TOKENS) if max_tokens is None else max_tokens
     if requested is None:
@@ -71,6 +72,8 @@ def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingPa
     for name in (T.LOGPROBS, T.PROMPT_LOGPROBS):  # -1 on the wire: none asked for (as if absent)
         if values.get(name, 0) < 0:  # type: ignore[operator]
             del values[name]
+    if max_tokens is not None and T.MIN_TOKENS in values:  # prefill's one token: banned or not is all
+        values[T.MIN_TOKENS] = min(int(values[T.MIN_TOKENS]), max_tokens)  # type: ignore[call-overload]
     return SamplingParams(**values)  # type: ignore[arg-type]
 
 

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.engine.chunks import Chunk, ChunkEmitter, context_len
 from rngd_pd.engine.colocated import ColocatedEngine
-from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
+from rngd_pd.engine.orchestrator import Orchestrator, RunStats
 from rngd_pd.engine.request import PrefillResult
 from rngd_pd.engine.switch import Gate, WeightSwitch
 from rngd_pd.engine.workers import RequestPool

@@ -14,7 +14,7 @@ telescope: their concatenation equals decode(all generated ids) exactly, never w
 Stop strings (the request's `stop`, which pd echoes to postprocess): as in vLLM and the OpenAI API the text
 never contains one. Before the final response each side also drops the tail that could still become
 a stop string (`held_suffix_len`); the final response cuts the text at the first stop string after
-what was already released. pd sends enough context for that (`orchestrator.context_len`): the
+what was already released. pd sends enough context for that (`chunks.context_len`): the
 held-back tail is at most the longest stop string less one character, each at most 4 tokens.
 """
 

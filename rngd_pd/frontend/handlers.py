@@ -1,7 +1,8 @@
 """Request handling shared by /v1/completions and /v1/chat/completions.
 
-Each endpoint only turns its body into prompt token ids and says how its chunks look (`Frames`);
-admission, streaming, cancellation, usage and metrics are the same code for both.
+Each endpoint only turns its body into prompt token ids and says how its chunks look
+(`rngd_pd.frontend.frames`); admission, streaming, cancellation, usage and metrics are the same code
+for both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -20,17 +20,15 @@ from rngd_pd.errors import ConfigError
 from rngd_pd.frontend.api_errors import APIError, bad_request
 from rngd_pd.frontend.backend import GenerateRequest
 from rngd_pd.frontend.constraints import structured_of
+from rngd_pd.frontend.frames import ChatFrames, CompletionFrames, Echo, Frames, tool_reason
 from rngd_pd.frontend.generation import Piece, TextGeneration
 from rngd_pd.frontend.logprob_format import CompletionLogprobBuilder, TokenText, chat_logprobs, merged
 from rngd_pd.frontend.prompts import chat_prompt, completion_prompt, resolve_max_tokens
 from rngd_pd.frontend.schemas import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -44,115 +42,12 @@ from rngd_pd.frontend.schemas import (
 )
 from rngd_pd.frontend.state import FrontendState
 from rngd_pd.frontend.streaming import DONE, ClientGone, SSEResponse, sse, until_disconnect
-from rngd_pd.frontend.tools import ToolPlan, ToolStream, plan_tools, reply_message
-from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams, prefiller_address
+from rngd_pd.frontend.tools import ToolPlan, plan_tools, reply_message
+from rngd_pd.model.params import PREFILLER_HEADER, SamplingParams, prefiller_address
 from rngd_pd.model.structured import Structured
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody receives it
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class Frames:
-    """How one endpoint's stream chunks look; subclasses fill in the payloads. `piece` turns one
-    choice's piece into its chunks (a delta, and the choice's final chunk when it ended)."""
-
-    def __init__(self, rid: str, model: str) -> None:
-        self.rid, self.model, self.created = rid, model, int(time.time())
-
-    def start(self) -> list[bytes]:
-        return []
-
-    def piece(self, gen: TextGeneration, index: int, piece: Piece) -> list[bytes]:
-        raise NotImplementedError
-
-    def usage(self, usage: Usage) -> bytes:
-        raise NotImplementedError
-
-
-class CompletionFrames(Frames):
-    """Completions: choice `index` of a batch is prompt index // n, its choice index % n."""
-
-    def __init__(self, rid: str, model: str, echo: list[Echo], logprobs: int | None,
-                 text: TokenText) -> None:
-        super().__init__(rid, model)
-        self.echo, self.logprobs, self.text = echo, logprobs, text
-        self.builders: dict[int, CompletionLogprobBuilder] = {}
-        self.echoed: set[int] = set()
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
-        return sse(
-            CompletionResponse(
-                id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
-            )
-        )
-
-    def piece(self, gen: TextGeneration, index: int, piece: Piece) -> list[bytes]:
-        out = []
-        builder = self.builders.setdefault(index, CompletionLogprobBuilder(self.text))
-        echo = self.echo[index // gen.req.params.n]
-        if echo.text is not None and index not in self.echoed:
-            self.echoed.add(index)
-            lp = builder.prompt(echo.ids, gen.prompt_logprobs) if self.logprobs is not None else None
-            out.append(self._chunk([CompletionChoice(index=index, text=echo.text, logprobs=lp,
-                                                     finish_reason=None)]))
-        if piece.text or piece.logprobs:
-            lp = builder.tokens(piece.logprobs) if self.logprobs is not None else None
-            out.append(self._chunk([CompletionChoice(index=index, text=piece.text, logprobs=lp,
-                                                     finish_reason=None)]))
-        if piece.finish_reason:
-            final = CompletionChoice(index=index, text="", finish_reason=piece.finish_reason)
-            out.append(self._chunk([final]))
-        return out
-
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], usage)
-
-
-class ChatFrames(Frames):
-    """Chat: each choice's text goes through its own `ToolStream` (content, or tool-call deltas);
-    every chunk carries its choice's index."""
-
-    def __init__(self, rid: str, model: str, n: int, top: int | None, text: TokenText,
-                 plan: ToolPlan) -> None:
-        super().__init__(rid, model)
-        self.n, self.top, self.text = n, top, text
-        self.tools = [ToolStream(plan) for _ in range(n)]
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        return sse(
-            ChatCompletionChunk(
-                id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
-            )
-        )
-
-    def start(self) -> list[bytes]:
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-                for i in range(self.n)]
-
-    def piece(self, gen: TextGeneration, index: int, piece: Piece) -> list[bytes]:
-        tools = self.tools[index]
-        deltas = tools.push(piece.text) if piece.text else []
-        if piece.logprobs and not deltas:  # the text is held back (or there is none): the logprobs go now
-            deltas = [ChatDelta() if tools.plan.parses else ChatDelta(content="")]
-        lp = chat_logprobs(piece.logprobs, self.top, self.text) if self.top is not None and deltas else None
-        out = [self._chunk([ChatChunkChoice(index=index, delta=d, logprobs=lp if j == 0 else None)])
-               for j, d in enumerate(deltas)]
-        if piece.finish_reason:
-            out += [self._chunk([ChatChunkChoice(index=index, delta=d)]) for d in tools.end()]
-            reason = _tool_reason(piece.finish_reason, tools.called)
-            out.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]))
-        return out
-
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], usage)
-
-
-@dataclass(frozen=True)
-class Echo:
-    """A completion prompt as echoed: its text (None: no echo) and ids."""
-
-    text: str | None
-    ids: list[int]
 
 
 def _check_model(state: FrontendState, name: str) -> None:
@@ -163,11 +58,6 @@ def _check_model(state: FrontendState, name: str) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _tool_reason(reason: FinishReason, called: bool) -> FinishReason:
-    """"tool_calls" when the reply became tool calls (unless max_tokens cut it)."""
-    return FinishReason.TOOL_CALLS if called and reason is not FinishReason.LENGTH else reason
 
 
 def _structured(body: _GenerationRequest, plan: ToolPlan) -> Structured | None:
@@ -296,7 +186,7 @@ async def chat(state: FrontendState, body: ChatCompletionRequest, request: Reque
     choices = []
     for i, c in enumerate(gen.choices):
         message = reply_message(c.text, plan) if plan.parses else AssistantMessage(content=c.text)
-        reason = _tool_reason(c.finish_reason, bool(message.tool_calls))  # type: ignore[arg-type]
+        reason = tool_reason(c.finish_reason, bool(message.tool_calls))  # type: ignore[arg-type]
         choices.append(ChatChoice(index=i, message=message, finish_reason=reason,
                                   logprobs=None if top is None else chat_logprobs(c.logprobs, top, text)))
     return ChatCompletionResponse(

@@ -14,7 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 
 from rngd_pd.frontend.backend import GenerateRequest, TokenChunk, check_supported
-from rngd_pd.model.params import FinishReason
+from rngd_pd.model.params import FinishReason, TokenLogprobs
+from rngd_pd.wire import tensors as T
+
+ALL_INPUTS = tuple(t.name for t in T.PD.inputs)  # a pd-style model: every sampling input declared
 
 SCRIPT = "Hello world! The quick brown fox jumps over the lazy dog. Naïve café ünïcödé 🙂 END of script. "
 
@@ -70,22 +73,40 @@ class FakeBackend:
         self.started.append(req.request_id)
         self.requests.append(req)
         done = False
+        p = req.params
+        prompt = None
+        if p.prompt_logprobs is not None and len(req.input_ids) > 1:
+            prompt = tuple(_row(t, p.prompt_logprobs) for t in req.input_ids[1:])
         try:
-            n = req.params.max_tokens
+            n = p.max_tokens
             for i, tid in enumerate(self.tokens(n)):
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 if self.eos_at is not None and i == self.eos_at:
-                    if not req.params.ignore_eos:
-                        done = True
-                        yield TokenChunk((self.eos,), FinishReason.EOS)
+                    if not p.ignore_eos:
+                        for c in range(p.n):
+                            done = c == p.n - 1
+                            yield TokenChunk((self.eos,), FinishReason.EOS, index=c,
+                                             logprobs=_rows((self.eos,), p.logprobs))
                         return
                     tid = self.eos  # generated like any token, and generation goes on
                 last = i == n - 1
-                done = last
-                yield TokenChunk((tid,), FinishReason.LENGTH if last else None)
+                for c in range(p.n):  # every choice the same tokens
+                    done = last and c == p.n - 1
+                    yield TokenChunk((tid,), FinishReason.LENGTH if last else None, index=c,
+                                     logprobs=_rows((tid,), p.logprobs),
+                                     prompt_logprobs=prompt if not i else None)
         finally:
             (self.finished if done else self.cancelled).append(req.request_id)
+
+
+def _row(token: int, k: int) -> TokenLogprobs:
+    """A made-up logprob row: the token at -0.5, then k others below it."""
+    return TokenLogprobs((token, *range(100, 100 + k)), (-0.5, *(-1.0 - j for j in range(k))))
+
+
+def _rows(tokens: tuple[int, ...], k: int | None) -> tuple[TokenLogprobs, ...] | None:
+    return None if k is None else tuple(_row(t, k) for t in tokens)
 
 
 def free_port() -> int:

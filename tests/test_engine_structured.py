@@ -85,3 +85,61 @@ def test_a_tokenizer_the_grammar_engine_refuses_still_serves_unconstrained_reque
     assert grammars.constraint(None) is None and grammars.constraint("") is None
     with pytest.raises(ConfigError, match="llguidance"):
         grammars.constraint(Structured("json_schema", SCHEMA).to_json())
+
+
+def _choices(engine: ColocatedEngine, ids: list[int], params: SamplingParams) -> dict[int, dict]:
+    """Each choice's tokens, text, logprobs rows and finish reason."""
+    out: dict[int, dict] = {}
+    for ev in engine.stream(ids, params):
+        c = out.setdefault(ev.index, {"tokens": [], "text": "", "rows": [], "reason": ""})
+        if ev.token_id is not None:
+            c["tokens"].append(ev.token_id)
+            c["rows"].append(ev.logprobs)
+        c["text"] += ev.text
+        c["reason"] = ev.finish_reason or c["reason"]
+    return out
+
+
+def test_n_choices_each_keep_their_own_grammar_with_logprobs_and_penalties(colocated, smollm) -> None:
+    """One grammar state per choice: n=3 sampled replies (choice i seeded seed + i) each validate, with
+    raw logprobs on every token and a penalty and a bias in the sampler's order before the mask."""
+    ids = _prompt(smollm, "Describe a person as JSON with name, age and pets.")
+    structured = Structured("json_schema", SCHEMA, strict=True).to_json()
+    params = SamplingParams(max_tokens=96, temperature=1.0, seed=11, n=3, logprobs=2, structured=structured,
+                            presence_penalty=0.3, logit_bias=((smollm.tokenizer.encode("cat")[0], 2.0),))
+    got = _choices(colocated, ids, params)
+    assert sorted(got) == [0, 1, 2]
+    for c in got.values():
+        assert c["reason"] in ("stop", "eos"), c
+        jsonschema.validate(json.loads(c["text"]), SCHEMA)
+        assert all(r is not None and r.token == t and len(r.top) == 2 and r.logprob <= 0
+                   for r, t in zip(c["rows"], c["tokens"], strict=True))
+    again = _choices(colocated, ids, params)  # seeded: the same n replies
+    assert [again[i]["tokens"] for i in range(3)] == [got[i]["tokens"] for i in range(3)]
+
+
+def test_greedy_fast_path_under_a_grammar_and_the_full_path_agree(colocated, smollm, monkeypatch) -> None:
+    """A plain greedy row whose argmax the grammar admits takes it without the vocabulary mask; asking
+    for logprobs (or n > 1) takes the sampler's full path, which must choose the same tokens."""
+    from rngd_pd.model.grammar import GrammarConstraint
+
+    ids = _prompt(smollm, "Name three colours.")
+    free = colocated.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    regex = Structured("regex", re.escape(free.text)).to_json()  # admits the free greedy reply
+    masks = [0]
+    original = GrammarConstraint.mask_into
+
+    def counted(self, logits):
+        masks[0] += 1
+        return original(self, logits)
+
+    monkeypatch.setattr(GrammarConstraint, "mask_into", counted)
+    plain = colocated.generate(ids, SamplingParams(max_tokens=8, structured=regex))
+    assert plain.token_ids == free.token_ids and plain.text == free.text
+    assert masks[0] <= 1  # prefill's first token at most; decode never masked
+    masks[0] = 0
+    full = _choices(colocated, ids, SamplingParams(max_tokens=8, structured=regex, logprobs=1, n=2))
+    for c in full.values():
+        assert c["tokens"] == free.token_ids and c["text"] == free.text
+        assert all(r.token == t for r, t in zip(c["rows"], c["tokens"], strict=True))
+    assert masks[0] >= 2 * (len(free.token_ids) - 1)  # every decode step of both choices masked

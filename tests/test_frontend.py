@@ -174,12 +174,17 @@ def _error(r: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"n": 2}, "n", "not supported"),
-        ({"logprobs": 2}, "logprobs", "not supported"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"best_of": 3}, "best_of", "not supported"),
         ({"suffix": "x"}, "suffix", "not supported"),
-        ({"logit_bias": {"1": 2}}, "logit_bias", "not supported"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"logit_bias": {"1": 200}}, "logit_bias", "less than or equal to 100"),
+        ({"logit_bias": {"one": 2}}, "logit_bias", "must be token ids"),
+        ({"logit_bias": {"999999": 2}}, "logit_bias", "outside the vocabulary"),
+        ({"stop_token_ids": [999999]}, "stop_token_ids", "outside the vocabulary"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"min_tokens": 20, "max_tokens": 4}, "min_tokens", "min_tokens must be"),
         ({"frobnicate": 1}, "frobnicate", "Unsupported parameter"),
         ({"temperature": 5}, "temperature", "less than or equal to 2"),
         ({"top_p": 0}, "top_p", "greater than 0"),
@@ -188,7 +193,8 @@ def _error(r: httpx.Response, status: int) -> dict:
         ({"seed": -1}, "seed", "greater than or equal to 0"),
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": [1, 999999]}, "prompt", "outside the vocabulary"),
-        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({"prompt": ["a", ""]}, "prompt", "empty"),
+        ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
     ],
 )
 def test_bad_values_are_400_naming_the_parameter(url, body, param, words):

@@ -14,15 +14,19 @@ from schemathesis.checks import positive_data_acceptance
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
 from rngd_pd.frontend.served_model import load_served_model
-from tests.frontend_fakes import FakeBackend
+from tests.frontend_fakes import ALL_INPUTS, FakeBackend
 
 
 def _token_count_error(response) -> bool:
-    """A 400 that depends on the prompt's tokens, which no JSON schema can express: prompt + max_tokens
-    over the context, or a prompt whose text has no tokens at all (e.g. "\\x14")."""
+    """A 400 that depends on the prompt's tokens or on two fields, which no JSON schema can express:
+    prompt + max_tokens over the context, a prompt whose text has no tokens at all (e.g. "\\x14"), a
+    logit_bias key (a string) outside the vocabulary, min_tokens over max_tokens (or its default)."""
     body = response.content
     return response.status_code == 400 and (b"context_length_exceeded" in body
-                                             or b"'prompt' is empty: give at least one token" in body)
+                                             or b"'prompt' is empty: give at least one token" in body
+                                             or b"in 'logit_bias' is outside the vocabulary" in body
+                                             or b"min_tokens must be an integer in" in body
+                                             or b"top_logprobs needs logprobs" in body)
 
 
 # parameters whose value must also compile (a JSON schema, a regex, a grammar) or agree with another
@@ -53,9 +57,9 @@ def test_openapi_conformance(served, api_key):
     reach generation (over the scripted backend) instead of stopping at the 404.
     """
     config = FrontendConfig(max_model_len=256, api_key=api_key)
-    # the schema offers `ignore_eos` and structured outputs, which a Triton model serves only when it
-    # declares their inputs
-    backend = FakeBackend(served.tokenizer, inputs=("ignore_eos", "structured"))
+    # the schema offers `ignore_eos`, structured outputs, n, logprobs, ..., which a Triton model serves
+    # only when it declares their inputs (a pd-style model declares them all)
+    backend = FakeBackend(served.tokenizer, inputs=ALL_INPUTS)
     app = create_app(config, model=served, backend=backend)
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None

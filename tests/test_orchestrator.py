@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from rngd_pd import errors
-from rngd_pd.engine.orchestrator import CONTEXT, Chunk, Orchestrator, RunStats
+from rngd_pd.engine.chunks import CONTEXT, Chunk
+from rngd_pd.engine.orchestrator import Orchestrator, RunStats
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.inputs import sampling_inputs, sampling_params

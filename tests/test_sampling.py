@@ -135,3 +135,61 @@ def test_nucleus_equals_the_full_sort(scale: float) -> None:
     n = int((torch.cumsum(values, 0) < 0.9).sum()) + 1
     assert set(idx.tolist()) == set(order[:n].tolist())
     torch.testing.assert_close(kept, probs[idx])
+
+
+class _OnlyAllows:
+    """A TokenConstraint that admits only `allowed` (the grammar's place in the sampler's order)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed, self.accepted = allowed, []
+
+    def prepare(self) -> None:
+        pass
+
+    def mask_into(self, logits: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        keep[list(self.allowed)] = True
+        return torch.where(keep, logits, float("-inf"))
+
+    def allows(self, token: int) -> bool:
+        return token in self.allowed
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_raw_logprobs_then_bias_and_penalties_then_the_grammar_then_the_draw(temperature: float) -> None:
+    """docs/frontend.md's order: the logprobs are the raw log-softmax whatever the bias and the mask do;
+    the bias and penalties act before the mask (a forbidden token's +100 bias cannot let it through, an
+    allowed token's -100 cannot shut it out when it is the only one)."""
+    logits = _logits(4, vocab=64)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    favourite = int(logits.argmax())
+    allowed = {3, 17} - {favourite}
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=5, logprobs=4,
+                            logit_bias=((favourite, 100.0), (3, -100.0)), presence_penalty=1.5)
+    sampler = Sampler(params)
+    sampler.record(17)  # 17 was generated once: its presence penalty applies
+    got = sampler.choose(logits, _OnlyAllows(allowed))
+    assert got.token in allowed
+    if temperature == 0:  # argmax of the adjusted, masked row: 3 at -100 loses to 17 at -1.5
+        assert got.token == 17
+    lp = got.logprobs
+    assert lp is not None and lp.token == got.token and len(lp.top) == 4
+    assert lp.logprob == pytest.approx(float(raw[got.token]), abs=1e-6)
+    values, ids = torch.topk(raw, 4)
+    assert [t for t, _ in lp.top] == ids.tolist()  # the raw top 4: the favourite first, though forbidden
+    assert lp.top[0][0] == favourite
+    torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values)
+
+
+def test_plain_is_greedy_with_nothing_adjusted_and_no_logprobs() -> None:
+    """Only a plain row may take the batch's argmax (decode's fast path, also under a grammar)."""
+    assert SamplingParams().plain
+    for kw in ({"temperature": 1.0}, {"logprobs": 0}, {"presence_penalty": 0.5}, {"frequency_penalty": -1.0},
+               {"repetition_penalty": 1.2}, {"logit_bias": ((1, 2.0),)}, {"min_tokens": 1}):
+        assert not SamplingParams(max_tokens=4, **kw).plain, kw

@@ -265,3 +265,75 @@ def test_tritonclient_sends_the_structured_input(triton, served):
                          structured=np.array([spec.to_json().encode()], dtype=np.object_))
     responses = E.stream_infer(triton.grpc_url, "pd", values, ("output_ids", "finish_reason"))
     assert re.fullmatch(spec.value, tok.decode(E.ids_of(responses))) and E.reason_of(responses) == "stop"
+
+
+def _choices(url: str, stream: bool, **kwargs: Any) -> dict[int, dict]:
+    """Each choice of one chat request (n > 1): content, tool calls, logprob rows, finish reason; the
+    raw JSON checked against the SDK's types."""
+    c = client(url)
+    out: dict[int, dict] = {}
+    if not stream:
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, **kwargs)
+        _fields_known(json.loads(raw.text), ChatCompletion)
+        for ch in raw.parse().choices:
+            out[ch.index] = {"content": ch.message.content or "", "reason": ch.finish_reason,
+                             "calls": [tc.model_dump() for tc in ch.message.tool_calls or []],
+                             "rows": ch.logprobs.content if ch.logprobs else []}
+        return out
+    for chunk in c.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        _fields_known(chunk.model_dump(exclude_unset=True), ChatCompletionChunk)
+        for ch in chunk.choices:
+            mine = out.setdefault(ch.index, {"content": "", "reason": None, "calls": {}, "rows": []})
+            mine["content"] += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                call = mine["calls"].setdefault(tc.index, {"id": None,
+                                                           "function": {"name": "", "arguments": ""}})
+                call["id"] = tc.id or call["id"]
+                call["function"]["name"] += (tc.function.name or "") if tc.function else ""
+                call["function"]["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            mine["rows"] += ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
+            mine["reason"] = ch.finish_reason or mine["reason"]
+    for mine in out.values():
+        mine["calls"] = [mine["calls"][i] for i in sorted(mine["calls"])]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_each_follow_the_schema_with_logprobs(url, stream):
+    """n=3 sampled under one json_schema: every choice is its own grammar state (prefill samples each
+    first token under it, decode goes on per choice), and carries the raw logprobs of its tokens."""
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "array", "schema": SCHEMAS["array"], "strict": True}}
+    ask = [{"role": "user", "content": "Give me an array example."}]
+    got = _choices(url, stream, messages=ask, response_format=fmt, max_tokens=80, n=3, temperature=1.0,
+                   seed=5, logprobs=True, top_logprobs=2, presence_penalty=0.5)
+    assert sorted(got) == [0, 1, 2]
+    for mine in got.values():
+        assert mine["reason"] == "stop", mine
+        jsonschema.validate(json.loads(mine["content"]), SCHEMAS["array"])
+        assert mine["rows"] and mine["content"].startswith(mine["rows"][0].token.strip())
+        assert all(r.logprob <= 0 and len(r.top_logprobs) == 2 for r in mine["rows"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_with_n_gives_each_choice_a_valid_call(url, stream):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    got = _choices(url, stream, messages=ASK, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=80,
+                   n=2, temperature=1.0, seed=3)
+    assert sorted(got) == [0, 1]
+    ids = set()
+    for mine in got.values():
+        assert not mine["content"] and mine["reason"] == "tool_calls" and len(mine["calls"]) == 1, mine
+        call = mine["calls"][0]
+        assert call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        ids.add(call["id"])
+    assert len(ids) == 2
+
+
+def test_n_greedy_under_a_grammar_on_colocated(colocated_url):
+    fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": SCHEMAS["enum"]}}
+    got = _choices(colocated_url, True, messages=ASK, response_format=fmt, max_tokens=60, temperature=0, n=2,
+                   logprobs=True)
+    assert got[0]["content"] == got[1]["content"]  # greedy: identical choices
+    jsonschema.validate(json.loads(got[0]["content"]), SCHEMAS["enum"])

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from rngd_pd.engine.orchestrator import CONTEXT
+from rngd_pd.engine.chunks import CONTEXT
 from rngd_pd.stubs.text_models import load_tokenizer, text_delta
 
 TEXTS = (
@@ -48,7 +48,7 @@ def test_an_incomplete_character_is_held_back_until_it_completes() -> None:
 
 def _stream(tok, ids: list[int], per_response: int, stop: tuple[str, ...]) -> tuple[list[str], str]:
     """Chunks as decode would send them: it ends the stream where the text first holds a stop string."""
-    from rngd_pd.engine.orchestrator import context_len
+    from rngd_pd.engine.chunks import context_len
 
     end, reason = len(ids), "length"
     for k in range(1, len(ids) + 1):

@@ -137,7 +137,7 @@ class AtomRuntime:
         raise self._no_prefill()
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
-                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:
+                kv_dtype: Any = "bf16", all_logits: bool = False) -> tuple[Any, KVList]:
         raise self._no_prefill()
 
     def _no_prefill(self) -> Exception:

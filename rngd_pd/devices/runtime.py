@@ -173,10 +173,12 @@ class DeviceRuntime(Protocol):
         ...
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
-                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:
-        """Run T tokens after the P of `past`: host fp32 logits of the last token [vocab] and the
-        new per-layer (K, V) [kv_heads, T, head_dim] on the device; on_layer(i, K, V) gets layer i's
-        as soon as it is computed (on the device: `to_host` before handing it to a transport)."""
+                kv_dtype: Any = "bf16", all_logits: bool = False) -> tuple[Any, KVList]:
+        """Run T tokens after the P of `past`: host fp32 logits of the last token [vocab] (of every
+        token, [T, vocab], with `all_logits`: a request's prompt logprobs; a runtime that cannot
+        raises ConfigError) and the new per-layer (K, V) [kv_heads, T, head_dim] on the device;
+        on_layer(i, K, V) gets layer i's as soon as it is computed (on the device: `to_host` before
+        handing it to a transport)."""
         ...
 
     def empty(self, shape: Sequence[int], dtype: Any) -> Any:

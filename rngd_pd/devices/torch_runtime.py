@@ -108,11 +108,11 @@ class TorchRuntime:
         return torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.torch_device)
 
     def prefill(self, tokens: torch.Tensor, past: KVList | None = None, on_layer: OnLayer | None = None,
-                kv_dtype: Any = "bf16") -> tuple[torch.Tensor, KVList]:
+                kv_dtype: Any = "bf16", all_logits: bool = False) -> tuple[torch.Tensor, KVList]:
         cores = self.cores
         if cores is None:
             logits, kv = self.loaded.model.prefill(tokens, past=past, on_layer=on_layer,
-                                                   kv_dtype=torch_dtype(kv_dtype))
+                                                   kv_dtype=torch_dtype(kv_dtype), all_logits=all_logits)
             return self.to_host(logits).float(), kv
 
         def layer_done(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -122,7 +122,7 @@ class TorchRuntime:
 
         with cores.working():
             logits, kv = self.loaded.model.prefill(tokens, past=past, on_layer=layer_done,
-                                                   kv_dtype=torch_dtype(kv_dtype))
+                                                   kv_dtype=torch_dtype(kv_dtype), all_logits=all_logits)
         return self.to_host(logits).float(), kv
 
     def empty(self, shape: Sequence[int], dtype: Any) -> torch.Tensor:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rngd_pd.devices.runtime import DeviceRuntime
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.prefill import PrefillEngine
-from rngd_pd.engine.request import DecodeRequest, GenerationResult, TokenEvent
+from rngd_pd.engine.request import DecodeRequest, GenerationResult, PrefillResult, TokenEvent
 from rngd_pd.model.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -62,9 +62,12 @@ class ColocatedEngine:
         self.close()
 
     def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, key: str | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, key: str | None = None,
+        on_prefill: Callable[[PrefillResult], None] | None = None,
     ) -> Iterator[TokenEvent]:
-        """Yield one TokenEvent per generated token; the last has finished=True.
+        """Yield one TokenEvent per generated token; the last has finished=True (with n > 1,
+        the events of the n choices interleave, each with its `index`, until each has finished).
+        on_prefill gets the prefill's result first (its prompt logprobs, when asked for).
 
         Validation errors (ConfigError, ContextLengthError, CapacityError) raise before anything is
         yielded; an engine error arrives as the final event's `error` and is raised here. Closing
@@ -79,13 +82,18 @@ class ColocatedEngine:
         def load_kv(cache, slot: int) -> None:
             cache.load_all(slot, pre.kv)
 
-        req = DecodeRequest(key, pre.num_tokens, pre.first_token, params, load_kv, events.put)
+        req = DecodeRequest(key, pre.num_tokens, pre.first, params, load_kv, events.put,
+                            prompt_ids=prompt_ids if params.repetition_penalty != 1 else ())
+        if on_prefill is not None:
+            on_prefill(pre)
         self.decode_engine.submit(req)
         done = False
+        running = params.n  # choices not finished yet
         try:
             while not done:
                 ev = events.get()
-                done = ev.finished
+                running -= ev.finished
+                done = running == 0 or ev.error is not None
                 if ev.error is not None:
                     raise ev.error
                 yield ev

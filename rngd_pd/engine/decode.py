@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rngd_pd.devices.runtime import DeviceRuntime, decode_shapes, plan_buckets
@@ -33,11 +33,14 @@ from rngd_pd.engine.request import (
     RequestState,
     TokenEvent,
     check_request,
+    choice_key,
+    first_tokens,
 )
 from rngd_pd.engine.workers import RequestPool
 from rngd_pd.errors import CapacityError, ConfigError, RequestCancelled, RngdPdError
 from rngd_pd.model.grammar import TokenConstraint, grammars_for
-from rngd_pd.model.sampling import FinishReason, Sampler
+from rngd_pd.model.params import MAX_N
+from rngd_pd.model.sampling import FinishReason, Sampled, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,12 @@ class _Entry:
     loaded: bool = False  # the loader is done with it (KV in the slot, or load_error)
     load_error: BaseException | None = None
     constraint: TokenConstraint | None = None  # structured outputs: the grammar of the reply
+    key: str = ""  # the request's key; choice i > 0 of n: `choice_key(key, i)`
+    first: Sampled | None = None  # this choice's first token, once known
+    children: list[_Entry] = field(default_factory=list)  # choices 1.. of n: loaded with this one
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.req.key
 
     def advance(self, phase: Phase) -> None:
         if phase <= self.phase:
@@ -207,35 +216,66 @@ class DecodeEngine:
         running. Nothing is emitted when it raises.
         """
         check_request(req.prompt_len, req.params, self.buckets[-1].max_len, key=req.key)
-        if req.first_token is not None:
-            self._check_token(req.key, req.first_token)
-        constraint = grammars_for(self.loaded.tokenizer).constraint(req.params.structured)
-        self._reserve(req.key)
-        state = RequestState(req.key, req.params, self.loaded.tokenizer, self.config.eos_token_ids)
-        entry = _Entry(req, state, Sampler(req.params, first_step=1), req.prompt_len + req.params.max_tokens,
-                       position=req.prompt_len, constraint=constraint)
-        if req.first_token is not None:
+        n = req.params.n
+        firsts = first_tokens(req.first_token, n, req.key)
+        if firsts is not None:
+            for f in firsts:
+                self._check_token(req.key, f.token)
+        # each choice its own grammar state, built before anything is reserved (a bad grammar raises)
+        grammars = grammars_for(self.loaded.tokenizer)
+        constraints = [grammars.constraint(req.params.structured) for _ in range(n)]
+        keys = [choice_key(req.key, i) for i in range(n)]
+        for i, key in enumerate(keys):
             try:
-                ev = self._first(entry, req.first_token)
+                self._reserve(key)
             except BaseException:
-                self._unreserve(req.key)
+                for done in keys[:i]:
+                    self._unreserve(done)
                 raise
-            if ev.finished:
+        entries = [self._entry(req, i, key, constraints[i]) for i, key in enumerate(keys)]
+        live = entries
+        if firsts is not None:
+            try:
+                events = [self._first(e, f) for e, f in zip(entries, firsts, strict=True)]
+            except BaseException:
+                for key in keys:
+                    self._unreserve(key)
+                raise
+            for e, ev in zip(entries[1:], events[1:], strict=True):
+                if ev.finished:
+                    self._unreserve(e.key, finished=True)
+            live = [entries[0], *(e for e, ev in zip(entries[1:], events[1:], strict=True)
+                                  if not ev.finished)]
+            if len(live) == 1 and events[0].finished:  # every choice ended at its first token
                 self._unreserve(req.key, finished=True)
                 return
+        leader = live[0]  # loads the KV (even when its own choice has ended) and copies it to the rest
+        leader.children = live[1:]
         with self._lock:
-            self._requests[req.key] = entry
-            self._queue.append(entry)
+            for e in live:
+                self._requests[e.key] = e
+            self._queue.append(leader)
             self._wake.notify()
+
+    def _entry(self, req: DecodeRequest, index: int, key: str, constraint: TokenConstraint | None) -> _Entry:
+        state = RequestState(req.key, req.params, self.loaded.tokenizer, self.config.eos_token_ids, index)
+        sampler = Sampler(req.params, first_step=1, choice=index, prompt_ids=req.prompt_ids,
+                          eos_ids=self.config.eos_token_ids)
+        return _Entry(req, state, sampler, req.prompt_len + req.params.max_tokens, position=req.prompt_len,
+                      constraint=constraint, key=key)
 
     def cancel(self, key: str) -> bool:
         """Ask for a request to end (final event finish_reason "cancelled"); False if unknown, and
         then a submit of that key within CANCEL_MEMORY_S is refused (the cancel overtook it)."""
         with self._lock:
             entry = self._requests.get(key)
+            choices = [c for c in (self._requests.get(choice_key(key, i)) for i in range(1, MAX_N))
+                       if c is not None]
+            for c in choices:  # the other choices of n, also those that outlive the first
+                c.cancel_asked = True
             if key not in self._requests:
                 self._remember_locked(key)
-                return False
+                return bool(choices)
             if entry is not None:
                 entry.cancel_asked = True
             else:
@@ -289,10 +329,12 @@ class DecodeEngine:
         if not 0 <= token < self.config.vocab_size:
             raise ConfigError(f"first_token {token} outside the vocabulary", key=key)
 
-    def _first(self, e: _Entry, token: int) -> TokenEvent:
+    def _first(self, e: _Entry, first: Sampled) -> TokenEvent:
         """Account for the first token (sampled by prefill, under the same grammar) and emit its event."""
-        e.last_token = token
-        ev = e.state.advance(token, end=self._accept(e, token))
+        e.first = first
+        e.last_token = first.token
+        e.sampler.record(first.token)
+        ev = e.state.advance(first.token, first.logprobs, end=self._accept(e, first.token))
         e.req.emit(ev)
         return ev
 
@@ -362,7 +404,7 @@ class DecodeEngine:
                         self._wake.wait()
                         continue
                     for e in cancelled:
-                        if e.phase == Phase.QUEUED:
+                        if e.phase == Phase.QUEUED and e in self._queue:  # choices > 0 wait in theirs
                             self._queue.remove(e)
                 for e in cancelled:
                     self._retire(e, e.state.final(FinishReason.CANCELLED))
@@ -372,33 +414,55 @@ class DecodeEngine:
                     self._step()
 
     def _start_loads_locked(self) -> None:
-        """FIFO: give the head of the queue a slot and start loading its KV, while slots last."""
+        """FIFO: give the head of the queue a slot (one per live choice of its n) and start loading
+        its KV, while slots last."""
         while self._queue and self._in_slots_locked() < self.num_slots:
             e = self._queue[0]
-            bucket = next((b for b in self.buckets if b.max_len >= e.need and b.free), None)
-            if bucket is None:
+            group = [e, *(c for c in e.children if c.phase == Phase.QUEUED and not c.cancel_asked)]
+            if self._in_slots_locked() + len(group) > self.num_slots:
                 return
+            taken: list[tuple[_Bucket, int]] = []
+            for member in group:
+                bucket = next((b for b in self.buckets if b.max_len >= member.need and b.free), None)
+                if bucket is None:
+                    for b, slot in taken:  # not all of them fit now: wait, keeping nothing
+                        heapq.heappush(b.free, slot)
+                    return
+                taken.append((bucket, heapq.heappop(bucket.free)))
             self._queue.popleft()
-            e.bucket, e.slot = bucket, heapq.heappop(bucket.free)
-            e.advance(Phase.LOADING)
+            for member, (bucket, slot) in zip(group, taken, strict=True):
+                member.bucket, member.slot = bucket, slot
+                member.advance(Phase.LOADING)
+            e.children = group[1:]
             assert self._pool is not None
             self._pool.submit(self._load, e)
 
     def _load(self, e: _Entry) -> None:
-        """Loader thread: fill the entry's slot; a failure fails only this request."""
+        """Loader thread: fill the entry's slot, then copy the prompt's KV into its other choices'
+        slots (n > 1: one transfer, n rows); a failure fails only this request."""
         try:
             assert e.bucket is not None
             with self.runtime.inference():
-                first = e.req.load_kv(e.bucket.cache, e.slot)
-            if e.req.first_token is None:
-                if not isinstance(first, int):
+                got = e.req.load_kv(e.bucket.cache, e.slot)
+                for child in e.children:
+                    assert child.bucket is not None
+                    for layer in range(self.config.num_layers):
+                        k, v = e.bucket.cache.read(e.slot, layer, 0, e.req.prompt_len)
+                        child.bucket.cache.load(child.slot, layer, k, v)
+            if e.first is None:
+                firsts = first_tokens(got, e.req.params.n, e.req.key)
+                if firsts is None:
                     raise RngdPdError("load_kv returned no first token", key=e.req.key)
-                self._check_token(e.req.key, first)
-                e.req.first_token = first
+                for f in firsts:
+                    self._check_token(e.req.key, f.token)
+                for member in (e, *e.children):
+                    member.first = firsts[member.state.index]
         except BaseException as ex:
             e.load_error = ex
         with self._lock:
-            e.loaded = True
+            for member in (e, *e.children):
+                member.load_error = e.load_error
+                member.loaded = True
             self._wake.notify()
 
     def _admit(self, e: _Entry) -> None:
@@ -410,9 +474,13 @@ class DecodeEngine:
             self._retire(e, e.state.final(reason, None if reason == FinishReason.CANCELLED else err))
             return
         assert e.bucket is not None
+        if e.state.finished:  # a leader whose own choice ended at its first token: it only loaded
+            self._retire(e, None)
+            return
         if not e.state.token_ids:  # the first token came with the KV
             try:
-                ev = self._first(e, int(e.req.first_token))  # type: ignore[arg-type]
+                assert e.first is not None
+                ev = self._first(e, e.first)
             except Exception as ex:
                 err = RngdPdError(f"first token: {ex!r}", key=e.req.key)
                 self._retire(e, e.state.final(FinishReason.ERROR, err))
@@ -438,7 +506,7 @@ class DecodeEngine:
         masks = self._prepare_masks(rows)
         try:
             logits = self.runtime.decode_step_parts(tokens, positions, parts)
-            greedy = logits.argmax(dim=-1).tolist()
+            greedy = logits.argmax(dim=-1).tolist()  # the plain rows' answer, all at once
             if masks is not None:
                 masks.result()
         except Exception as ex:
@@ -450,13 +518,13 @@ class DecodeEngine:
         t1 = time.perf_counter()
         for i, e in enumerate(rows):
             try:
-                if e.sampler.greedy and (e.constraint is None or e.constraint.allows(greedy[i])):
-                    tok = greedy[i]  # the row's argmax, which its grammar (if any) admits
+                if e.sampler.plain and (e.constraint is None or e.constraint.allows(greedy[i])):
+                    chosen = Sampled(greedy[i])  # the row's argmax, which its grammar (if any) admits
                 else:
-                    tok = e.sampler.sample(logits[i], e.constraint)
+                    chosen = e.sampler.choose(logits[i], e.constraint)
                 e.position += 1
-                e.last_token = tok
-                ev = e.state.advance(tok, end=self._accept(e, tok))
+                e.last_token = chosen.token
+                ev = e.state.advance(chosen.token, chosen.logprobs, end=self._accept(e, chosen.token))
             except Exception as ex:
                 log.exception("sampling failed")
                 self._retire(e, e.state.final(FinishReason.ERROR, RngdPdError(f"sampling failed: {ex!r}")))
@@ -489,7 +557,7 @@ class DecodeEngine:
                 heapq.heappush(e.bucket.free, e.slot)
                 e.slot = -1
             e.advance(Phase.DONE)
-            self._requests.pop(e.req.key, None)
+            self._requests.pop(e.key, None)
             self._counters["finished"] += 1
             self._wake.notify()
         if ev is not None:

@@ -21,8 +21,8 @@ queues fill alike instead of decode taking them all (Dynamo's rule also weighs t
 `when="always"` goes by length alone. A request whose prefill server llm-d named (`prefill_at`)
 always hands off: the endpoint picker has decided.
 
-Each emitted `Chunk` carries up to `CONTEXT` ids that precede its tokens, so a stateless postprocess
-can detokenize streaming-safely (see `rngd_pd.stubs.text_models.text_delta`).
+Each emitted `Chunk` (`rngd_pd.engine.chunks`) carries up to `CONTEXT` ids that precede its tokens,
+so a stateless postprocess can detokenize streaming-safely (see `rngd_pd.stubs.text_models.text_delta`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ from typing import Protocol
 import numpy as np
 
 from rngd_pd import errors
+from rngd_pd.engine.chunks import Chunk, ChunkEmitter, context_len
 from rngd_pd.engine.workers import RequestPool
-from rngd_pd.model.sampling import FinishReason, SamplingParams
+from rngd_pd.model.sampling import FinishReason, SamplingParams, TokenLogprobs
+from rngd_pd.wire import logprobs as lp
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.inputs import bytes_scalar, new_key, sampling_inputs
 
 log = logging.getLogger(__name__)
 
-CONTEXT = 8  # ids of left context a stateless detokenizer needs (a UTF-8 char spans <= 4 tokens)
 POLL_S = 0.05  # how often a waiting orchestrator looks at the client's cancel flag
 # The most the failed or cancelled request waits for decode's stream to end after pd told decode to
 # drop it (decode ends it at once, with finish_reason "cancelled"; a decode that does not answer must
@@ -73,19 +74,6 @@ class ModelClient(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """One response of pd: new token ids, the ids before them, and the finish reason on the last."""
-
-    token_ids: list[int]
-    context_ids: list[int]
-    finish_reason: str = ""
-
-    @property
-    def final(self) -> bool:
-        return bool(self.finish_reason)
-
-
 @dataclass
 class RunStats:
     """Timings of one request (seconds, monotonic), for metrics and the bench."""
@@ -100,12 +88,6 @@ class RunStats:
     prompt_len: int = 0
     queued: bool = True  # its prompt still counts in a prefill queue (Orchestrator._prefill_here)
     extra: dict = field(default_factory=dict)
-
-
-def context_len(stop: tuple[str, ...] | list[str]) -> int:
-    """Preceding ids a chunk carries: CONTEXT, plus room for postprocess to hold back the tail that
-    could still become a stop string (the longest one less a character, <= 4 tokens per character)."""
-    return CONTEXT + 4 * max((len(s) for s in stop), default=0)
 
 
 def _drain(responses: queue.SimpleQueue) -> list:
@@ -130,20 +112,19 @@ def _raise_refusal(ready: list) -> None:
             del exc  # a handed-over exception (rngd_pd.errors): no frame may keep it
 
 
-class ChunkEmitter:
-    """Streams chunks one by one, or (stream=False) collects everything into one final chunk."""
+PREFILL_OUTPUTS = (T.FIRST_TOKEN, T.FIRST_TOKENS, T.TOKEN_LOGPROB_IDS, T.TOKEN_LOGPROBS, T.PROMPT_LOGPROB_IDS,
+                   T.PROMPT_LOGPROB_VALUES)
+DECODE_OUTPUTS = (T.OUTPUT_IDS, T.FINISH_REASON, T.INDEX, T.TOKEN_LOGPROB_IDS, T.TOKEN_LOGPROBS)
 
-    def __init__(self, stream: bool, emit: Callable[[Chunk], None], context: int = CONTEXT) -> None:
-        self.stream, self.emit, self.context = stream, emit, context
-        self.ids: list[int] = []
 
-    def add(self, ids: list[int], reason: str = "") -> None:
-        context = self.ids[-self.context:]
-        self.ids.extend(ids)
-        if self.stream and (ids or reason):
-            self.emit(Chunk(ids, context, reason))
-        elif reason:
-            self.emit(Chunk(list(self.ids), [], reason))
+def _ints(outputs: Mapping[str, np.ndarray], name: str) -> list[int]:
+    array = outputs.get(name)
+    return [] if array is None else [int(i) for i in array.reshape(-1)]
+
+
+def _floats(outputs: Mapping[str, np.ndarray], name: str) -> list[float]:
+    array = outputs.get(name)
+    return [] if array is None else [float(v) for v in array.reshape(-1)]
 
 
 def _close(client: ModelClient) -> None:
@@ -237,7 +218,9 @@ class Orchestrator:
         if not input_ids:
             raise errors.ConfigError("the prompt is empty: give at least one token id")
         stats = RunStats(new_key(), time.monotonic(), prompt_len=len(input_ids))
-        stats.local_prefill = self._prefill_here(len(input_ids), prefill_at)
+        # prompt logprobs come from the prefill model only (decode's local prefill does not send them)
+        stats.local_prefill = self._prefill_here(len(input_ids), prefill_at or
+                                                 params.prompt_logprobs is not None)
         try:
             self._run(input_ids, params, stream, emit, cancelled, prefill_at, stats)
         finally:
@@ -248,18 +231,19 @@ class Orchestrator:
              emit: Callable[[Chunk], None], cancelled: Callable[[], bool], prefill_at: str | None,
              stats: RunStats) -> None:
         responses: queue.SimpleQueue = queue.SimpleQueue()
-        pump = self._pumps.submit(self._pump, stats.key, len(input_ids), params, responses,
-                                  input_ids if stats.local_prefill else None)
-        out = ChunkEmitter(stream, emit, context_len(params.stop))
+        pump = self._pumps.submit(self._pump, stats.key, input_ids, params, responses, stats.local_prefill)
+        out = ChunkEmitter(stream, emit, context_len(params.stop), params.n)
         try:
             ready: list = []
             if not stats.local_prefill:
-                first = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
+                firsts, prompt = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
                 ready = _drain(responses)
                 _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
                 stats.first_token_at = time.monotonic()
                 self._dequeue(stats)
-                out.add([first])
+                for i, (token, logprobs) in enumerate(firsts):
+                    out.add([token], "", i, None if logprobs is None else [logprobs],
+                            prompt if i == 0 else None)
             self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
             self.abort(stats.key)
@@ -269,9 +253,9 @@ class Orchestrator:
             raise
         stats.end, stats.tokens = time.monotonic(), len(out.ids)
 
-    def _prefill_here(self, prompt_len: int, prefill_at: str | None) -> bool:
-        """Whether decode prefills this prompt itself (module docstring); counts the prompt's tokens
-        in the queue it joins until its first token (`_dequeue`)."""
+    def _prefill_here(self, prompt_len: int, prefill_at: str | bool | None) -> bool:
+        """Whether decode prefills this prompt itself (module docstring; never when `prefill_at` is
+        set); counts the prompt's tokens in the queue it joins until its first token (`_dequeue`)."""
         local = (not prefill_at and prompt_len <= self.local_prefill_tokens())
         with self._queue_lock:
             if local and self._local_when == "busy":
@@ -291,26 +275,37 @@ class Orchestrator:
                 self._queued[stats.local_prefill] -= stats.prompt_len
                 stats.queued = False
 
-    def _prefill(self, client: ModelClient, key: str, input_ids: list[int],
-                 params: SamplingParams) -> int:
+    def _prefill(self, client: ModelClient, key: str, input_ids: list[int], params: SamplingParams
+                 ) -> tuple[list[tuple[int, TokenLogprobs | None]], list[TokenLogprobs] | None]:
+        """Prefill by the prefill model: each choice's first token (with its logprobs when asked
+        for), and the prompt's logprobs when asked for."""
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
                   T.INPUT_IDS: np.asarray(input_ids, dtype=np.int32),
                   **sampling_inputs(params, with_max_tokens=False)}
-        for name in (T.STOP, T.IGNORE_EOS):  # prefill samples one token; when to stop is decode's business
-            inputs.pop(name, None)
-        result = client.infer(self.prefill_model, inputs, (T.FIRST_TOKEN,))
-        return int(result[T.FIRST_TOKEN].reshape(-1)[0])
+        inputs.pop(T.STOP, None)  # prefill samples one token; stop strings are decode's business
+        result = client.infer(self.prefill_model, inputs, PREFILL_OUTPUTS)
+        tokens = _ints(result, T.FIRST_TOKENS) or _ints(result, T.FIRST_TOKEN)[:1]
+        if len(tokens) != params.n:
+            raise errors.RngdPdError(f"prefill sampled {len(tokens)} first tokens for n={params.n}", key=key)
+        firsts = lp.unflatten(_ints(result, T.TOKEN_LOGPROB_IDS), _floats(result, T.TOKEN_LOGPROBS),
+                              len(tokens))
+        prompt = lp.unflatten(_ints(result, T.PROMPT_LOGPROB_IDS), _floats(result, T.PROMPT_LOGPROB_VALUES),
+                              len(input_ids) - 1)
+        return [(t, None if firsts is None else firsts[i]) for i, t in enumerate(tokens)], prompt
 
-    def _pump(self, key: str, prompt_len: int, params: SamplingParams, responses: queue.SimpleQueue,
-              input_ids: list[int] | None = None) -> None:
+    def _pump(self, key: str, input_ids: list[int], params: SamplingParams, responses: queue.SimpleQueue,
+              local: bool = False) -> None:
         """Decode's responses into the queue: ("out", outputs) ..., then ("end", None) or ("err", exc).
-        With `input_ids`, decode prefills the prompt itself."""
+        `local`: decode prefills the prompt itself; else it gets the prompt's length (and its ids when
+        the repetition penalty needs them)."""
         inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
-                  T.PROMPT_LEN: np.array([prompt_len], np.int32), **sampling_inputs(params)}
-        if input_ids is not None:
+                  T.PROMPT_LEN: np.array([len(input_ids)], np.int32), **sampling_inputs(params)}
+        if local:
             inputs[T.INPUT_IDS] = np.asarray(input_ids, dtype=np.int32)
+        elif params.repetition_penalty != 1:
+            inputs[T.PROMPT_IDS] = np.asarray(input_ids, dtype=np.int32)
         try:
-            for outputs in self.decode.stream(self.decode_model, inputs, (T.OUTPUT_IDS, T.FINISH_REASON)):
+            for outputs in self.decode.stream(self.decode_model, inputs, DECODE_OUTPUTS):
                 responses.put(("out", outputs))
             responses.put(("end", None))
         except BaseException as exc:  # delivered to the request's thread, which raises it
@@ -337,7 +332,7 @@ class Orchestrator:
                     del value  # a handed-over exception (rngd_pd.errors): no frame may keep it
             if kind == "end":
                 raise errors.RngdPdError("decode ended its stream without a finish reason", key=key)
-            ids = [int(i) for i in value.get(T.OUTPUT_IDS, np.zeros(0, np.int32)).reshape(-1)]
+            ids = _ints(value, T.OUTPUT_IDS)
             reasons = value.get(T.FINISH_REASON)
             reason = bytes_scalar(reasons.reshape(-1)[0]) if reasons is not None and reasons.size else ""
             if reason == FinishReason.CANCELLED:
@@ -347,9 +342,13 @@ class Orchestrator:
             if ids and not stats.first_token_at:  # decode prefilled it: its first token is the first
                 stats.first_token_at = time.monotonic()
                 self._dequeue(stats)
-            out.add(ids, reason)
+            index = (_ints(value, T.INDEX) or [0])[0]
+            logprobs = lp.unflatten(_ints(value, T.TOKEN_LOGPROB_IDS), _floats(value, T.TOKEN_LOGPROBS),
+                                    len(ids))
+            out.add(ids, reason, index, logprobs)
             if reason:
                 stats.finish_reason = reason
+            if out.done:
                 return
 
     def abort(self, key: str) -> None:

@@ -25,7 +25,7 @@ from rngd_pd.engine.prefix import PrefixCache
 from rngd_pd.engine.request import PrefillResult, check_request
 from rngd_pd.errors import ConfigError
 from rngd_pd.model.grammar import grammars_for
-from rngd_pd.model.sampling import Sampler, SamplingParams
+from rngd_pd.model.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logprobs
 
 OnLayer = Callable[[int, Any, Any], None]
 
@@ -103,21 +103,31 @@ class PrefillEngine:
         constraint = grammars_for(self.loaded.tokenizer).constraint(params.structured)  # before compute
         chunk = self.chunk_size if chunk_size == -1 else chunk_size
         cache = self.prefix_cache
+        # prompt logprobs need every position's logits: no prefix reuse (its tokens' are not kept)
+        prompt = _PromptLogprobs(ids, params.prompt_logprobs) if params.prompt_logprobs is not None else None
         with self.runtime.inference():
             names = cache.hashes(ids) if cache is not None else []
-            cached, blocks = cache.match(ids, names) if cache is not None else (0, [])
+            cached, blocks = cache.match(ids, names) if cache is not None and prompt is None else (0, [])
             if not cached and (chunk is None or len(tokens) <= chunk):
-                logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype)
+                logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype,
+                                                  all_logits=prompt is not None)
+                logits = prompt.add(0, logits) if prompt is not None else logits
             else:
-                logits, kv = self._chunked(tokens, chunk or len(tokens), on_layer, cached, blocks)
-            first = Sampler(params).sample(logits, constraint)
+                logits, kv = self._chunked(tokens, chunk or len(tokens), on_layer, cached, blocks, prompt)
+            # each choice its own grammar state (the compiled grammar is cached)
+            constraints = [constraint, *(grammars_for(self.loaded.tokenizer).constraint(params.structured)
+                                         for _ in range(1, params.n))]
+            first = [Sampler(params, choice=i, prompt_ids=token_ids, eos_ids=self.config.eos_token_ids
+                             ).choose(logits, constraints[i]) for i in range(params.n)]
             if cache is not None:
                 cache.insert(ids, kv, cached, names)
-        return PrefillResult(first_token=first, num_tokens=len(tokens), kv=kv, cached_tokens=cached)
+        return PrefillResult(first_token=first[0].token, num_tokens=len(tokens), kv=kv, cached_tokens=cached,
+                             first=first, prompt_logprobs=None if prompt is None else prompt.rows)
 
     def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None, cached: int = 0,
-                 blocks: Sequence[Any] = ()) -> tuple[Any, KVList]:
-        """Chunks of `chunk` tokens after the first `cached` ones, which come from the prefix cache."""
+                 blocks: Sequence[Any] = (), prompt: _PromptLogprobs | None = None) -> tuple[Any, KVList]:
+        """Chunks of `chunk` tokens after the first `cached` ones, which come from the prefix cache;
+        with `prompt`, each chunk's logits of every position go into its logprobs."""
         cfg, total = self.config, len(tokens)
         shape = (cfg.num_kv_heads, total, cfg.head_dim)
         kv = [
@@ -140,6 +150,23 @@ class PrefillEngine:
 
             past = [(k[:, :start], v[:, :start]) for k, v in kv] if start else None
             logits, _ = self.runtime.prefill(tokens[start:end], past=past, on_layer=store,
-                                             kv_dtype=self.kv_dtype)
+                                             kv_dtype=self.kv_dtype, all_logits=prompt is not None)
+            if prompt is not None:
+                logits = prompt.add(start, logits)
         assert logits is not None
         return logits, kv
+
+
+class _PromptLogprobs:
+    """The prompt's logprobs, gathered chunk by chunk: row i is prompt token i + 1 with the top k at
+    position i (token 0 has none); only the rows are kept, never the [T, vocab] logits."""
+
+    def __init__(self, ids: np.ndarray, k: int) -> None:
+        self.ids, self.k = ids, k
+        self.rows: list[TokenLogprobs] = []
+
+    def add(self, start: int, logits: Any) -> Any:
+        """Logits [n, vocab] of positions start.. -> their rows; returns the last position's logits."""
+        targets = self.ids[start + 1:start + 1 + int(logits.shape[0])]
+        self.rows += prompt_logprobs(logits[:len(targets)], targets.tolist(), self.k)
+        return logits[-1]

@@ -31,11 +31,17 @@ from rngd_pd.frontend.schemas import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     HealthResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    VersionResponse,
 )
 from rngd_pd.frontend.served_model import load_served_model
 from rngd_pd.frontend.state import FrontendState
@@ -56,7 +62,8 @@ _SSE_DOC = {"text/event-stream": {"schema": _SSE_EVENT, "example": "data: {...}\
 # seed < 2**64 stated as the largest double below 2**64: JSON tools compare numbers as doubles, and
 # `exclusiveMaximum: 2**64` let them send 2**64 + 382 as valid (it rounds to 2**64 - 2048 or below).
 _SEED_MAX = 2**64 - 2048
-_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"})
+_COUNTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize",
+                            "/detokenize", "/version"})
 
 
 class _StatusCounter:
@@ -153,6 +160,21 @@ def _add_routes(app: FastAPI) -> None:
         """Chat completion with the model's chat template; streaming like /v1/completions."""
         return await handlers.chat(_state(request), body, request)
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES, dependencies=auth)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> Any:
+        """vLLM's /tokenize: a prompt (or chat messages, through the chat template) -> token ids."""
+        return await handlers.tokenize(_state(request), body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, dependencies=auth)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
+        """vLLM's /detokenize: token ids -> text."""
+        return await handlers.detokenize(_state(request), body)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        """The server's version (vLLM's /version)."""
+        return VersionResponse(version=__version__)
+
     @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]}, dependencies=auth)
     async def models(request: Request) -> ModelList:
         s = _state(request)
@@ -222,9 +244,13 @@ def _tidy_openapi(app: FastAPI, secured: bool, state: FrontendState) -> None:
                     if key in props:
                         _set_integer_bounds(props[key], maximum=limits.max_model_len - 1)
                 _set_integer_bounds(props["seed"], maximum=_SEED_MAX)
+                _set_integer_bounds(props["stop_token_ids"], maximum=limits.vocab_size - 1)
+                _set_key_pattern(props["logit_bias"], "^[0-9]+$")
             _set_integer_bounds(
                 bodies["CompletionRequest"]["properties"]["prompt"], maximum=limits.vocab_size - 1
             )
+            detokenize = bodies["DetokenizeRequest"]["properties"]["tokens"]
+            _set_integer_bounds(detokenize, maximum=limits.vocab_size - 1)
             # FastAPI lists every enum a response names; finish_reason is documented in OpenAI's
             # spelling (schemas.OpenAIFinish), so the enum of ours behind it is nowhere referenced
             for name in ("HTTPValidationError", "ValidationError", "FinishReason"):
@@ -233,6 +259,18 @@ def _tidy_openapi(app: FastAPI, secured: bool, state: FrontendState) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _set_key_pattern(node: Any, pattern: str) -> None:
+    """Give every object schema under `node` a `propertyNames` pattern (logit_bias: token ids)."""
+    if isinstance(node, dict):
+        if node.get("type") == "object":
+            node["propertyNames"] = {"pattern": pattern}
+        for value in node.values():
+            _set_key_pattern(value, pattern)
+    elif isinstance(node, list):
+        for value in node:
+            _set_key_pattern(value, pattern)
 
 
 def _set_integer_bounds(node: Any, maximum: int) -> None:

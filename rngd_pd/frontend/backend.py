@@ -25,8 +25,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from rngd_pd import errors
 from rngd_pd.frontend.api_errors import APIError, answer, bad_request
-from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams
-from rngd_pd.wire import grpc_codec
+from rngd_pd.model.params import PREFILLER_HEADER, FinishReason, SamplingParams, TokenLogprobs
+from rngd_pd.wire import grpc_codec, logprobs
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.grpc_codec import NP_DTYPES as _NP
 from rngd_pd.wire.inputs import sampling_values
@@ -38,11 +38,16 @@ META_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class TokenChunk:
-    """One streamed response: its new tokens, and the finish reason on the last one."""
+    """One streamed response: its new tokens, and the finish reason on the last one of its choice
+    (`index`, of the request's n); their logprobs (one row per token) and, on the first chunk, the
+    prompt's, when the request asked for them."""
 
     token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None  # set on the final chunk only
+    finish_reason: FinishReason | None = None  # set on the choice's final chunk only
     received_at: float = 0.0  # time.perf_counter() when it arrived (0 = unknown)
+    index: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -179,20 +184,21 @@ class TritonBackend:
             raise _rpc_error(exc, self) from None
         request = _build_request(self.model, req, info)
         call = self._get_stub().ModelStreamInfer(grpc_codec.once(request))
-        done = False
+        done, ended = False, 0  # ended: choices with their finish reason
         try:
             async for resp in call:
                 if resp.error_message:
                     done = True
                     raise _model_error(resp.error_message, self.model)
-                chunk, final = _parse(resp.infer_response, time.perf_counter())
+                chunk, final = _parse(resp.infer_response, time.perf_counter(), len(req.input_ids))
                 # from here on the request is over: a caller that stops at this chunk must not
                 # cancel the call (module docstring)
-                done = done or bool(chunk.finish_reason) or final
-                if chunk.token_ids or chunk.finish_reason:
+                ended += bool(chunk.finish_reason)
+                done = done or ended == req.params.n or final
+                if chunk.token_ids or chunk.finish_reason or chunk.prompt_logprobs:
                     yield chunk
-                if chunk.finish_reason or final:
-                    if not chunk.finish_reason:
+                if ended == req.params.n or final:
+                    if ended < req.params.n:
                         why = f"Triton model '{self.model}' ended the stream without a finish_reason"
                         raise APIError.of(errors.RngdPdError, why)
                     return
@@ -233,16 +239,15 @@ def _int_param(config: model_config_pb2.ModelConfig, key: str) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
+_KEEP_DEFAULT = frozenset({T.MAX_TOKENS, T.TEMPERATURE, T.TOP_P, T.TOP_K, T.SEED, T.STOP})
+"""Inputs a model may leave undeclared (it then keeps its own default); every other one asked for
+must be declared, or the request is refused."""
+
+
 def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str]) -> None:
-    """400 naming a requested extension the Triton model declares no input for: an `ignore_eos`
-    that the model cannot receive must not be dropped silently (the caller counts on the length)."""
-    if params.ignore_eos and T.IGNORE_EOS not in inputs:
-        raise bad_request(  # the request's parameter `ignore_eos`, the model's input T.IGNORE_EOS
-            f"'ignore_eos' is not supported by Triton model '{model}' "
-            f"(it declares no '{T.IGNORE_EOS}' input)",
-            "ignore_eos",
-            "unsupported_parameter",
-        )
+    """400 naming a requested extension the Triton model declares no input for: an `ignore_eos`, an
+    `n`, a `logprobs` or a structured output that the model cannot receive must not be dropped
+    silently (the caller counts on the length, the choices, the logprobs, the grammar)."""
     if params.structured and T.STRUCTURED not in inputs:
         raise bad_request(
             f"structured outputs are not supported by Triton model '{model}' "
@@ -250,6 +255,14 @@ def check_supported(model: str, params: SamplingParams, inputs: Mapping[str, str
             "response_format",
             "unsupported_parameter",
         )
+    for name in sampling_values(params):
+        if name not in inputs and name not in _KEEP_DEFAULT:
+            param = "logit_bias" if name in (T.LOGIT_BIAS_IDS, T.LOGIT_BIAS_VALUES) else name
+            raise bad_request(  # the request's parameter, and the model's input of (nearly) that name
+                f"'{param}' is not supported by Triton model '{model}' (it declares no '{name}' input)",
+                param,
+                "unsupported_parameter",
+            )
 
 
 def _build_request(model: str, req: GenerateRequest, info: _ModelInfo) -> service_pb2.ModelInferRequest:
@@ -276,15 +289,26 @@ def _array(dtype: str, seq: list, batched: bool) -> np.ndarray:
     return array.reshape(1, -1) if batched else array
 
 
-def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0) -> tuple[TokenChunk, bool]:
-    ids: tuple[int, ...] = ()
+def _parse(resp: service_pb2.ModelInferResponse, received_at: float = 0.0,
+           prompt_len: int = 0) -> tuple[TokenChunk, bool]:
+    """One response -> its chunk, and whether it is the stream's last (`prompt_len`: how many rows
+    the prompt's logprobs have, one per prompt token after the first)."""
+    arrays: dict[str, list] = {}
     reason = None
     for out, raw in zip(resp.outputs, resp.raw_output_contents, strict=False):
-        if out.name == T.OUTPUT_IDS:
-            ids = tuple(np.frombuffer(raw, dtype=_NP.get(out.datatype, np.int32)).tolist())
-        elif out.name == T.FINISH_REASON:
+        if out.name == T.FINISH_REASON:
             reason = _finish_reason(b"".join(grpc_codec.unpack_bytes(raw)[:1]).decode())
-    return TokenChunk(ids, reason, received_at), grpc_codec.is_final(resp)
+        elif out.datatype in _NP and out.datatype != "BYTES":
+            arrays[out.name] = np.frombuffer(raw, dtype=_NP[out.datatype]).tolist()
+    ids = tuple(arrays.get(T.OUTPUT_IDS, ()))
+    token_lp = logprobs.unflatten(arrays.get(T.TOKEN_LOGPROB_IDS, []), arrays.get(T.TOKEN_LOGPROBS, []),
+                                  len(ids))
+    prompt_lp = logprobs.unflatten(arrays.get(T.PROMPT_LOGPROB_IDS, []),
+                                   arrays.get(T.PROMPT_LOGPROB_VALUES, []), prompt_len - 1)
+    chunk = TokenChunk(ids, reason, received_at, (arrays.get(T.INDEX) or [0])[0],
+                       None if token_lp is None else tuple(token_lp),
+                       None if prompt_lp is None else tuple(prompt_lp))
+    return chunk, grpc_codec.is_final(resp)
 
 
 def _finish_reason(text: str) -> FinishReason | None:

@@ -24,7 +24,7 @@ class TokenizerLike(Protocol):
     eos_token_ids: tuple[int, ...]
     renders_tools: bool
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
@@ -62,11 +62,14 @@ def completion_prompt(model: ServedModel, prompt: str | list) -> list[int]:
     return ids
 
 
-def chat_prompt(model: ServedModel, messages: list[ChatMessage], plan: ToolPlan | None = None) -> list[int]:
-    """Messages (and tools) -> the model's chat template (with the assistant's turn opened) -> token
-    ids; `rngd_pd.frontend.tools` says how tools reach a template that does not render them."""
+def chat_prompt(model: ServedModel, messages: list[ChatMessage], plan: ToolPlan | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Messages (and tools) -> the model's chat template (with the assistant's turn opened unless
+    add_generation_prompt is false) -> token ids; `rngd_pd.frontend.tools` says how tools reach a
+    template that does not render them."""
     dicts, tools = render_messages(messages, plan or ToolPlan(), model.tokenizer.renders_tools)
-    rendered = model.tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tools=tools)
+    rendered = model.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                   tools=tools)
     ids = model.tokenizer.encode(rendered)
     if not ids:
         raise bad_request("'messages' render to an empty prompt", "messages", "invalid_value")

@@ -1,9 +1,9 @@
 """OpenAI request and response bodies as pydantic models: they validate requests and make the
 OpenAPI schema honest (schemathesis checks every response against it).
 
-Parameters the server does not implement are declared with their neutral value only (`n` = 1,
-`logprobs` null, penalties 0, ...), in the schema too: any other value is a 400 that names the
-parameter, and unknown parameters are refused (`extra="forbid"`), so nothing is silently ignored.
+Parameters the server does not implement are declared with their neutral value only (`best_of` = 1,
+`suffix` empty, ...), in the schema too: any other value is a 400 that names the parameter, and
+unknown parameters are refused (`extra="forbid"`), so nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -18,24 +18,21 @@ from pydantic import (
     PlainValidator,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from rngd_pd.model.params import FinishReason, OpenAIFinishReason
+from rngd_pd.model.params import MAX_LOGPROBS, MAX_N, FinishReason, OpenAIFinishReason
 
 UNSUPPORTED_CODE = "unsupported_parameter"
 MAX_STOP_STRINGS = 16
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+
 # parameter -> the only values accepted (what clients send when they do not use the feature)
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "functions": (None, []),
     "function_call": (None, "none"),
 }
@@ -55,6 +52,7 @@ def _refuse_unsupported(value: Any, name: str) -> Any:
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _Strict(BaseModel):
@@ -123,12 +121,19 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
-    n: Literal[1] = Field(1, description="Only 1 is supported.")
-    logprobs: Literal[False] | None = Field(None, description="Not supported (null or false).")
-    top_logprobs: Literal[0] | None = Field(None, description="Not supported (null or 0).")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="Not supported (null or {}).")
-    presence_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description="Not supported (null or 0).")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt (up to {MAX_N}), from one prefill.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="Extension (vLLM): > 1 discourages tokens of the prompt and the output."
+    )
+    min_tokens: int = Field(0, ge=0, description="Extension (vLLM): no EOS or stop_token_ids before this.")
+    stop_token_ids: StopTokenIds | None = Field(
+        None, description="Extension (vLLM): token ids that end a choice (not part of its text)."
+    )
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
     guided_json: dict[str, Any] | bool | str | None = Field(None, description="vLLM: a JSON Schema.")
     guided_regex: NonEmpty | None = Field(None, description="vLLM: the reply matches this regex.")
@@ -136,12 +141,17 @@ class _GenerationRequest(_Strict):
     guided_grammar: NonEmpty | None = Field(None, description="vLLM: a Lark or GBNF grammar.")
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's newer form of guided_*.")
 
-    @field_validator(
-        "n", "logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", mode="before"
-    )
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _neutral_only(cls, value: Any, info: Any) -> Any:
-        return _refuse_unsupported(value, info.field_name)
+    def _check_bias_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            bad = next((k for k in value if not (isinstance(k, str) and k.isdigit())), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias keys must be token ids, got {bad!r}")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -167,25 +177,33 @@ Prompt = NonEmpty | TokenIds
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
-        description="A string or a list of token ids (a batch of one such prompt is accepted too)."
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+        description=f"A string or a list of token ids, or a batch of up to {MAX_PROMPTS} of either "
+        "(choice i * n + j answers prompt i)."
     )
     echo: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Log-probabilities of each token and its top alternatives."
+    )
     best_of: Literal[1] | None = Field(None, description="Not supported (null or 1).")
     suffix: Literal[""] | None = Field(None, description="Not supported (null or empty).")
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        if value in ("", [], [""], [[]]):
+        if value in ("", [], [""], [[]]) or (isinstance(value, list) and any(v in ("", []) for v in value)):
             raise ValueError("the prompt is empty; give at least one character or token id")
-        if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
-            raise PydanticCustomError(
-                UNSUPPORTED_CODE,
-                "'prompt' holds {n} prompts; this server takes one prompt per request",
-                {"n": len(value)},
-            )
+        batch = isinstance(value, list) and all(isinstance(v, str | list) for v in value)
+        if batch and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     @field_validator("best_of", "suffix", mode="before")
     @classmethod
@@ -262,6 +280,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Preferred over max_tokens.")
+    logprobs: bool | None = Field(None, description="Log-probabilities of each token of the reply.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token (needs logprobs: true)."
+    )
     tools: list[Tool] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='Default "auto" with tools, "none" without.'
@@ -274,6 +296,12 @@ class ChatCompletionRequest(_GenerationRequest):
     @classmethod
     def _neutral_only_chat(cls, value: Any, info: Any) -> Any:
         return _refuse_unsupported(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -293,10 +321,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token (an echoed
+    prompt's first token has no logprob: null)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: OpenAIFinish | None
 
 
@@ -315,10 +353,24 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinish
 
 
@@ -354,7 +406,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: OpenAIFinish | None = None
 
 
@@ -408,3 +460,38 @@ class UpdateWeightsResponse(BaseModel):
 class HealthResponse(BaseModel):
     status: Literal["ok", "unavailable"]
     detail: str = ""
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

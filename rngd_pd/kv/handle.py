@@ -67,6 +67,7 @@ class KVHandle:
     checksum_algorithm: str = DEFAULT_CHECKSUM
     locator: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    first_tokens: list[int] = field(default_factory=list)  # n > 1: choice i's first token
 
     @property
     def blob_nbytes(self) -> int:
@@ -80,6 +81,8 @@ class KVHandle:
     def to_json(self) -> bytes:
         """Compact UTF-8 JSON; the version goes first so any reader can check it before the rest."""
         d = asdict(self)
+        if not d["first_tokens"]:
+            del d["first_tokens"]  # n = 1: the handle of before n existed, byte for byte
         return json.dumps({"version": d.pop("version"), **d}, separators=(",", ":")).encode()
 
     @classmethod

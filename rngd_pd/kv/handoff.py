@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,14 +77,16 @@ class KVSender:
             self.checksums[index] = checksum(view, "crc32c")
         debug_log("prefill", self.key, index, view)
 
-    def finish(self, first_token: int, num_tokens: int) -> KVHandle:
-        """Seal and push the handle (the decode side's signal that every blob is there)."""
+    def finish(self, first_token: int, num_tokens: int, first_tokens: Sequence[int] = ()) -> KVHandle:
+        """Seal and push the handle (the decode side's signal that every blob is there);
+        first_tokens: each choice's of a request with n > 1."""
         s = self.spec
         handle = KVHandle(key=self.key, transport=getattr(self.transport, "name", "?"),
                           fingerprint=s.fingerprint, num_tokens=num_tokens, num_layers=s.num_layers,
                           num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, first_token=first_token,
                           dtype=s.dtype, layout=s.layout, sizes=list(self.sizes),
-                          checksums=list(self.checksums), checksum_algorithm="crc32c")
+                          checksums=list(self.checksums), checksum_algorithm="crc32c",
+                          first_tokens=list(first_tokens) if len(first_tokens) > 1 else [])
         self._push(handle_index(s.num_layers), handle.to_json())
         t0 = time.perf_counter()
         try:

@@ -243,8 +243,10 @@ class Llama(nn.Module):
         past: KV | None = None,
         on_layer: OnLayer | None = None,
         kv_dtype: torch.dtype = torch.bfloat16,
+        all_logits: bool = False,
     ) -> tuple[Tensor, KV]:
-        """Run T prompt tokens after P cached ones; return last logits [vocab] and the new (K, V).
+        """Run T prompt tokens after P cached ones; return last logits [vocab] (every position's,
+        [T, vocab], with `all_logits`: prompt logprobs) and the new (K, V).
 
         K/V per layer are [kv_heads, T, head_dim] in kv_dtype; on_layer(i, K, V) gets them as soon
         as layer i computed them. Attention reads the kv_dtype-rounded values, as decode will.
@@ -265,7 +267,7 @@ class Llama(nn.Module):
             out.append((k, v))
             if on_layer is not None:
                 on_layer(i, k, v)
-        return self._logits(x[-1:])[0], out
+        return (self._logits(x) if all_logits else self._logits(x[-1:])[0]), out
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [N] -> their embedding rows [N, D]: the one lookup every graph of the model starts

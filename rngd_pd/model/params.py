@@ -10,7 +10,7 @@ gateway pod without weights) can build and forward it without importing torch;
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
@@ -31,6 +31,9 @@ def prefiller_address(value: str) -> str:
                           f"got {value!r}")
     return f"{host}:{int(port)}"
 
+
+MAX_N = 16  # choices per prompt (each takes a decode slot)
+MAX_LOGPROBS = 20  # top logprobs per position, OpenAI's and vLLM's default limit
 
 OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 """The finish reasons OpenAI's API answers with (of its set, the ones this server can end with)."""
@@ -70,6 +73,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     structured: str | None = None  # rngd_pd.model.structured.Structured.to_json(): the reply's grammar
+    # OpenAI's and vLLM's extensions (docs/frontend.md, "Sampling parameters"): choices per prompt;
+    # logprobs of each sampled token with its top-k alternatives (None: none; 0: the sampled token's
+    # only), and of the prompt's tokens (prefill computes them only when asked); penalties and biases
+    # applied to the raw logits before temperature; EOS and stop_token_ids banned for min_tokens.
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,11 +107,82 @@ class SamplingParams:
             raise ConfigError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if self.structured is not None and (not isinstance(self.structured, str) or not self.structured):
             raise ConfigError(f"structured must be a non-empty JSON text, got {self.structured!r}")
+        self._validate_extensions()
+
+    def _validate_extensions(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, tuple) or any(
+            not isinstance(pair, tuple) or len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0
+            or not _is_number(pair[1]) or not -100 <= pair[1] <= 100 for pair in self.logit_bias
+        ):
+            raise ConfigError("logit_bias must map token ids >= 0 to biases in [-100, 100], "
+                              f"got {self.logit_bias!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                              f"got {self.min_tokens!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(
+            not _is_int(t) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ConfigError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         """True when the next token is simply the argmax (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a penalty, a bias or min_tokens changes the logits before the draw."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def plain(self) -> bool:
+        """True when the batched argmax is the whole answer: greedy, nothing adjusted, no logprobs."""
+        return self.greedy and not self.adjusts_logits and self.logprobs is None
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: the seed advanced by the index, as vLLM's parallel
+        sampling does (so choice i of a seeded request is reproducible on its own)."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % 2**64)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities of one position: the chosen (or prompt) token first, then the top-k
+    alternatives by descending logprob; `ids[i]` goes with `values[i]`."""
+
+    ids: tuple[int, ...]
+    values: tuple[float, ...]
+
+    @property
+    def token(self) -> int:
+        return self.ids[0]
+
+    @property
+    def logprob(self) -> float:
+        return self.values[0]
+
+    @property
+    def top(self) -> tuple[tuple[int, float], ...]:
+        return tuple(zip(self.ids[1:], self.values[1:], strict=True))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:

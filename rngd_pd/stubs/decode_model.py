@@ -20,7 +20,8 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rngd_pd import errors
@@ -31,7 +32,7 @@ from rngd_pd.engine.prefill import PrefillEngine
 from rngd_pd.engine.request import DecodeRequest, TokenEvent
 from rngd_pd.kv.handle import KVSpec
 from rngd_pd.kv.handoff import KVReceiver
-from rngd_pd.model.params import FinishReason
+from rngd_pd.model.params import FinishReason, TokenLogprobs
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.stubs import pbutils
 from rngd_pd.stubs.loading import load_for
@@ -39,10 +40,24 @@ from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.sending import ResponseLoop
 from rngd_pd.stubs.serving import DecodeParams, getter, transport_for, transport_params
 from rngd_pd.stubs.weights import WeightsControl
-from rngd_pd.wire import inputs
+from rngd_pd.wire import inputs, logprobs
 from rngd_pd.wire import tensors as T
 
-Emit = Callable[[list[int], str, "BaseException | None"], None]  # (new ids, finish reason, error)
+
+@dataclass(frozen=True)
+class Out:
+    """One response of decode: a choice's new ids (with their logprobs when asked for), its finish
+    reason on its last, an error; `final` once every choice of the request has ended."""
+
+    ids: list[int]
+    reason: str = ""
+    error: BaseException | None = None
+    index: int = 0
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    final: bool = False
+
+
+Emit = Callable[[Out], None]
 IN_FLIGHT = "airm_decode_requests_in_flight"
 
 
@@ -81,9 +96,10 @@ class DecodeService:
         self.on_kv = on_kv  # gets each request's KV wait + transfer seconds (metrics)
 
     def start(self, key: str, prompt_len: int, params: SamplingParams, emit: Emit,
-              token_ids: list[int] | None = None) -> None:
-        """Begin one request (with `token_ids`: prefill it here); raises ConfigError /
-        ContextLengthError / CapacityError / RequestCancelled before anything runs."""
+              token_ids: list[int] | None = None, prompt_ids: Sequence[int] = ()) -> None:
+        """Begin one request (with `token_ids`: prefill it here; `prompt_ids`: the prompt for the
+        repetition penalty of a handed-off one); raises ConfigError / ContextLengthError /
+        CapacityError / RequestCancelled before anything runs."""
         if token_ids is not None:
             if self.local is None:
                 raise errors.ConfigError(f"this decode instance cannot prefill ({self.threshold.reason}); "
@@ -91,56 +107,67 @@ class DecodeService:
             self.local.validate(key, token_ids, params)
             request = DecodeRequest(key, len(token_ids), None, params,
                                     self._local_loader(key, token_ids, params),
-                                    self._forward(key, emit, with_first=True))
+                                    self._forward(key, params.n, emit, with_first=True), prompt_ids=token_ids)
         else:
+            if params.repetition_penalty != 1 and len(prompt_ids) != prompt_len:
+                raise errors.ConfigError(f"the repetition penalty needs the prompt: send its {prompt_len} "
+                                         f"ids as {T.PROMPT_IDS!r}", key=key)
             request = DecodeRequest(key, prompt_len, None, params, self._loader(key, prompt_len),
-                                    self._forward(key, emit))
+                                    self._forward(key, params.n, emit), prompt_ids=prompt_ids)
         try:
             self.engine.submit(request)
         except BaseException:
             self._release_quietly(key)
             raise
 
-    def _loader(self, key: str, prompt_len: int) -> Callable[[Any, int], int]:
-        def load_kv(cache: Any, slot: int) -> int:
+    def _loader(self, key: str, prompt_len: int) -> Callable[[Any, int], Any]:
+        def load_kv(cache: Any, slot: int) -> Any:
             t0 = time.monotonic()
             handle = self.receiver.receive_into(key, prompt_len, cache, slot,
                                                 lambda: self.engine.is_cancelled(key))
             if self.on_kv is not None:
                 self.on_kv(time.monotonic() - t0)
             self.transport.release(key)  # the bytes are ours now; blobs never outlive the request
-            return handle.first_token
+            return handle.first_tokens or handle.first_token
 
         return load_kv
 
     def _local_loader(self, key: str, token_ids: list[int], params: SamplingParams
-                      ) -> Callable[[Any, int], int]:
-        def load_kv(cache: Any, slot: int) -> int:
+                      ) -> Callable[[Any, int], Any]:
+        def load_kv(cache: Any, slot: int) -> Any:
             def into_slot(layer: int, k: Any, v: Any) -> None:
                 cache.load(slot, layer, k, v)
 
             assert self.local is not None
             with self._local_lock:
-                return self.local.prefill(key, token_ids, params, on_layer=into_slot).first_token
+                return self.local.prefill(key, token_ids, params, on_layer=into_slot).first
 
         return load_kv
 
-    def _forward(self, key: str, emit: Emit, with_first: bool = False) -> Callable[[TokenEvent], None]:
-        """Engine events -> emit; the first token's event carries no id (pd has it from prefill)
-        unless this instance prefilled the request (`with_first`)."""
-        seen_first = [with_first]
+    def _forward(self, key: str, n: int, emit: Emit, with_first: bool = False
+                 ) -> Callable[[TokenEvent], None]:
+        """Engine events -> emit; each choice's first token's event carries no id (pd has them from
+        prefill) unless this instance prefilled the request (`with_first`). The request ends (final)
+        when all n choices have, or at the first error or cancel."""
+        seen_first: set[int] = set(range(n)) if with_first else set()
+        running = [n]
+        lock = threading.Lock()  # first events come from the submitting or a loader thread
 
         def on_event(ev: TokenEvent) -> None:
-            ids = [] if ev.token_id is None or not seen_first[0] else [ev.token_id]
-            seen_first[0] = True
+            with lock:
+                first = ev.index not in seen_first
+                seen_first.add(ev.index)
+                running[0] -= ev.finished
+                final = running[0] == 0
+            ids = [] if ev.token_id is None or first else [ev.token_id]
             if ev.finished and ev.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
                 self._release_quietly(key)  # a failed or cancelled request may have left blobs
             if ev.error is not None:
-                emit([], "", ev.error)
+                emit(Out([], error=ev.error, final=True))
             elif ev.finished and ev.finish_reason == FinishReason.CANCELLED:
-                emit([], "", errors.RequestCancelled("cancelled", key=ev.key))
+                emit(Out([], error=errors.RequestCancelled("cancelled", key=ev.key), final=True))
             elif ids or ev.finished:
-                emit(ids, ev.finish_reason or "", None)
+                emit(Out(ids, ev.finish_reason or "", None, ev.index, [ev.logprobs] if ids else [], final))
 
         return on_event
 
@@ -241,8 +268,10 @@ class DecodeModel:
                 raise errors.ConfigError(f"input {T.PROMPT_LEN!r} (or {T.INPUT_IDS!r}) is required to start "
                                          "a request")
             params = inputs.sampling_params(get)
+            prompt_ids = inputs.token_ids(get, T.PROMPT_IDS) if get(T.PROMPT_IDS) is not None else ()
             stream.on_cancel = lambda: self.service.cancel(key)  # a gRPC caller that cancelled
-            self.service.start(key, int(prompt_len or 0), params, self._emitter(stream), token_ids)
+            self.service.start(key, int(prompt_len or 0), params, self._emitter(stream), token_ids,
+                               prompt_ids)
         except Exception as exc:
             self._fail(stream, exc)
         self._in_flight.set(self.service.in_flight())
@@ -259,12 +288,20 @@ class DecodeModel:
             stream.fail(exc)
 
     def _emitter(self, stream: Any) -> Emit:
-        def emit(ids: list[int], reason: str, error: BaseException | None) -> None:
-            if error is not None:
-                self._fail(stream, error)
+        failed = [False]  # after an error or cancel, the other choices' events are dropped
+
+        def emit(out: Out) -> None:
+            if failed[0]:
+                return
+            if out.error is not None:
+                failed[0] = True
+                self._fail(stream, out.error)
             else:
-                stream.send({T.OUTPUT_IDS: ids, T.FINISH_REASON: reason}, final=bool(reason))
-            if error is not None or reason:
+                lp_ids, lp_values = logprobs.flatten(out.logprobs)
+                stream.send({T.OUTPUT_IDS: out.ids, T.FINISH_REASON: out.reason, T.INDEX: [out.index],
+                             T.TOKEN_LOGPROB_IDS: lp_ids, T.TOKEN_LOGPROBS: lp_values,
+                             T.PROMPT_LOGPROB_IDS: [], T.PROMPT_LOGPROB_VALUES: []}, final=out.final)
+            if out.error is not None or out.reason:
                 self._in_flight.set(self.service.in_flight())
 
         return emit

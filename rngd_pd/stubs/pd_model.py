@@ -21,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.engine.chunks import Chunk, ChunkEmitter, context_len
 from rngd_pd.engine.colocated import ColocatedEngine
-from rngd_pd.engine.orchestrator import Chunk, ChunkEmitter, Orchestrator, RunStats, context_len
+from rngd_pd.engine.orchestrator import Orchestrator, RunStats
+from rngd_pd.engine.request import PrefillResult
 from rngd_pd.engine.switch import Gate, WeightSwitch
 from rngd_pd.engine.workers import RequestPool
 from rngd_pd.host.stubs import UNLOADING_LINE, SiblingWatch
@@ -36,7 +38,7 @@ from rngd_pd.stubs.sending import ResponseLoop, Stream
 from rngd_pd.stubs.serving import ColocatedParams, PdParams, getter, model_params
 from rngd_pd.stubs.text_models import CONTEXT_IDS, spec_for
 from rngd_pd.stubs.weights import parse_op
-from rngd_pd.wire import inputs
+from rngd_pd.wire import inputs, logprobs
 from rngd_pd.wire import tensors as T
 from rngd_pd.wire.weights import DRAIN_S
 
@@ -99,7 +101,8 @@ class _GenerationModel:
 
             def emit(chunk: Chunk) -> None:
                 stream.send({T.OUTPUT_IDS: chunk.token_ids, T.FINISH_REASON: chunk.finish_reason,
-                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop, T.ERROR: ""}, final=chunk.final)
+                             CONTEXT_IDS: chunk.context_ids, T.STOP: stop, T.ERROR: "",
+                             **logprob_outputs(chunk)}, final=chunk.final)
 
             stats = self._run(ids, params, want_stream, emit, stream.cancelled.is_set, prefill_at)
         except BaseException as exc:  # every request ends with exactly one final response
@@ -135,7 +138,16 @@ class _GenerationModel:
 def _in_band_error(exc: BaseException) -> dict[str, Any]:
     """A failed request's final outputs for postprocess, which answers the error (tensors.ERROR)."""
     return {T.OUTPUT_IDS: [], T.FINISH_REASON: FinishReason.ERROR, CONTEXT_IDS: [], T.STOP: [],
-            T.ERROR: errors.to_wire(exc)}
+            T.ERROR: errors.to_wire(exc), **logprob_outputs(Chunk([], []))}
+
+
+def logprob_outputs(chunk: Chunk) -> dict[str, list]:
+    """A chunk's choice index and logprob tensors (rngd_pd.wire.logprobs), always all of them: the
+    llm ensemble maps each to postprocess."""
+    ids, values = logprobs.flatten(chunk.logprobs or [])
+    prompt_ids, prompt_values = logprobs.flatten(chunk.prompt_logprobs or [])
+    return {T.INDEX: [chunk.index], T.TOKEN_LOGPROB_IDS: ids, T.TOKEN_LOGPROBS: values,
+            T.PROMPT_LOGPROB_IDS: prompt_ids, T.PROMPT_LOGPROB_VALUES: prompt_values}
 
 
 class PdModel(_GenerationModel):
@@ -228,15 +240,23 @@ class ColocatedModel(_GenerationModel):
     def _run(self, ids: list[int], params: SamplingParams, stream: bool, emit: Callable[[Chunk], None],
              cancelled: Callable[[], bool], prefill_at: str | None = None) -> RunStats:
         stats = RunStats(inputs.new_key(), time.monotonic())
-        out = ChunkEmitter(stream, emit, context_len(params.stop))
-        events = self.engine.stream(ids, params, key=stats.key)
+        out = ChunkEmitter(stream, emit, context_len(params.stop), params.n)
+        prompt: list = []  # the prefill's prompt logprobs, sent with the first chunk of choice 0
+
+        def on_prefill(result: PrefillResult) -> None:
+            prompt.append(result.prompt_logprobs)
+
+        events = self.engine.stream(ids, params, key=stats.key, on_prefill=on_prefill)
         try:
             for ev in events:
                 if cancelled():
                     raise errors.RequestCancelled("the client cancelled the request", key=stats.key)
                 if not stats.first_token_at:
                     stats.first_token_at = time.monotonic()
-                out.add([] if ev.token_id is None else [ev.token_id], ev.finish_reason or "")
+                has_token = ev.token_id is not None
+                out.add([ev.token_id] if has_token else [], ev.finish_reason or "", ev.index,
+                        [ev.logprobs] if has_token and ev.logprobs is not None else None,
+                        prompt.pop() if prompt and ev.index == 0 else None)
                 stats.finish_reason = ev.finish_reason or stats.finish_reason
         finally:
             events.close()  # cancels the engine request when we stop early

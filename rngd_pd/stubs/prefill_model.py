@@ -17,6 +17,7 @@ from rngd_pd.config.params import instance_index
 from rngd_pd.devices.torch_runtime import as_runtime
 from rngd_pd.engine.kv_events.publisher import EventSink, NullPublisher, ZmqPublisher, open_publisher
 from rngd_pd.engine.prefill import PrefillEngine
+from rngd_pd.engine.request import PrefillResult
 from rngd_pd.kv.handle import KVHandle, KVSpec
 from rngd_pd.kv.handoff import KVSender
 from rngd_pd.model.sampling import SamplingParams
@@ -25,7 +26,7 @@ from rngd_pd.stubs.loading import load_for
 from rngd_pd.stubs.metrics import Load, load_gauges, triton_metrics
 from rngd_pd.stubs.serving import PrefillParams, getter, transport_for, transport_params
 from rngd_pd.stubs.weights import WeightsControl
-from rngd_pd.wire import inputs
+from rngd_pd.wire import inputs, logprobs
 from rngd_pd.wire import tensors as T
 
 
@@ -46,13 +47,15 @@ class PrefillService:
         self.spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
 
     def prefill(self, key: str, token_ids: Sequence[int], params: SamplingParams
-                ) -> tuple[KVHandle, float, int]:
-        """Prefill, push every blob and the handle; returns (handle, seconds spent pushing, prompt
-        tokens reused from the prefix cache)."""
+                ) -> tuple[KVHandle, float, PrefillResult]:
+        """Prefill, push every blob and the handle; returns (handle, seconds spent pushing, the
+        engine's result: each choice's first token and logprobs, prompt tokens reused from the
+        prefix cache, the prompt's logprobs)."""
         self.engine.validate(key, token_ids, params)  # reject before anything is pushed
         sender = KVSender(self.transport, key, self.spec, self.runtime.to_host)
         result = self.engine.prefill(key, token_ids, params, on_layer=sender.on_layer)
-        return sender.finish(result.first_token, result.num_tokens), sender.push_s, result.cached_tokens
+        handle = sender.finish(result.first_token, result.num_tokens, [f.token for f in result.first])
+        return handle, sender.push_s, result
 
     def install(self, loaded: Any) -> None:
         """Serve `loaded` (a committed weight generation): its fingerprint goes into every handle
@@ -132,16 +135,20 @@ class PrefillModel:
             # prefill samples one token; decode checks the real max_tokens against the context
             params = inputs.sampling_params(get, max_tokens=1)
             ids = inputs.token_ids(get)
-            handle, push_s, cached = self.service.prefill(key, ids, params)
+            handle, push_s, result = self.service.prefill(key, ids, params)
         except Exception as exc:
             return pbutils.error_response(exc)
         self.metrics.record_kv_transfer(push_s, self.transport_name)
         if self.service.engine.prefix_cache is not None:
-            self.metrics.record_prefix(len(ids), cached)
+            self.metrics.record_prefix(len(ids), result.cached_tokens)
         self._count_events()
-        return pbutils.make_response(T.PREFILL, {T.FIRST_TOKEN: [handle.first_token],
-                                                 T.KV_HANDLE: handle.to_json},
-                                     pbutils.requested_outputs(request))
+        first_ids, first_values = logprobs.flatten([f.logprobs for f in result.first])
+        prompt_ids, prompt_values = logprobs.flatten(result.prompt_logprobs or [])
+        outputs = {T.FIRST_TOKEN: [handle.first_token], T.KV_HANDLE: handle.to_json,
+                   T.FIRST_TOKENS: [f.token for f in result.first],
+                   T.TOKEN_LOGPROB_IDS: first_ids, T.TOKEN_LOGPROBS: first_values,
+                   T.PROMPT_LOGPROB_IDS: prompt_ids, T.PROMPT_LOGPROB_VALUES: prompt_values}
+        return pbutils.make_response(T.PREFILL, outputs, pbutils.requested_outputs(request))
 
     def _count_events(self) -> None:
         """The publisher's batches queued and dropped since the last request, as counters."""

@@ -14,7 +14,7 @@ telescope: their concatenation equals decode(all generated ids) exactly, never w
 Stop strings (the request's `stop`, which pd echoes to postprocess): as in vLLM and the OpenAI API the text
 never contains one. Before the final response each side also drops the tail that could still become
 a stop string (`held_suffix_len`); the final response cuts the text at the first stop string after
-what was already released. pd sends enough context for that (`orchestrator.context_len`): the
+what was already released. pd sends enough context for that (`chunks.context_len`): the
 held-back tail is at most the longest stop string less one character, each at most 4 tokens.
 """
 
@@ -116,10 +116,17 @@ class PostprocessModel(_TokenizerModel):
             text = text_delta(self.tokenizer, context, ids, final=bool(reason), stop=stop)
         except Exception as exc:
             return pbutils.error_response(exc)
+        passed = {t.name: _values(pbutils.input_array(request, t.name), t.numpy_dtype)
+                  for t in T.LOGPROB_OUTPUTS}  # pd's, unchanged
+        passed[T.INDEX] = passed[T.INDEX] or [0]
         return pbutils.make_response(POSTPROCESS_SPEC, {T.TEXT_OUTPUT: text, T.OUTPUT_IDS: ids,
-                                                        T.FINISH_REASON: reason},
+                                                        T.FINISH_REASON: reason, **passed},
                                      pbutils.requested_outputs(request))
 
 
 def _ints(array: Any) -> list[int]:
     return [] if array is None else [int(i) for i in array.reshape(-1)]
+
+
+def _values(array: Any, dtype: Any) -> list:
+    return [] if array is None else array.reshape(-1).astype(dtype).tolist()

@@ -40,16 +40,16 @@ def _scalar(get: Getter, name: str) -> object | None:
 def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingParams:
     """SamplingParams from optional tensors (`get(name)` returns the numpy array or None); building it
     checks it (ConfigError naming the bad input). `max_tokens` given: that many, and the required
-    input of that name is not read (prefill samples one token, whatever the request asks)."""
+    input of that name is not read (prefill samples one token, whatever the request asks; a
+    min_tokens above it counts as that many: the first token may not end the request)."""
     values: dict[str, object] = {}
     requested = _scalar(get, T.MAX_TOKENS) if max_tokens is None else max_tokens
     if requested is None:
         raise errors.ConfigError(f"input {T.MAX_TOKENS!r} is required (INT32 [1], at least 1)")
-    for name, cast in ((T.MAX_TOKENS, int), (T.TEMPERATURE, float), (T.TOP_P, float), (T.TOP_K, int),
-                       (T.SEED, int)):
+    for name, cast in _SCALARS:
         value = requested if name == T.MAX_TOKENS else _scalar(get, name)
         if value is not None:
-            values[name] = cast(value)  # type: ignore[operator]
+            values[name] = cast(value)
     stop = get(T.STOP)
     if stop is not None and stop.size:
         values["stop"] = tuple(s.decode("utf-8") if isinstance(s, bytes) else str(s)
@@ -59,12 +59,36 @@ def sampling_params(get: Getter, *, max_tokens: int | None = None) -> SamplingPa
     structured = _scalar(get, T.STRUCTURED)
     if structured:
         values["structured"] = structured
+    stop_ids = get(T.STOP_TOKEN_IDS)
+    if stop_ids is not None and stop_ids.size:
+        values["stop_token_ids"] = tuple(int(t) for t in stop_ids.reshape(-1))
+    bias_ids, biases = get(T.LOGIT_BIAS_IDS), get(T.LOGIT_BIAS_VALUES)
+    if bias_ids is not None and bias_ids.size:
+        if biases is None or biases.size != bias_ids.size:
+            raise errors.ConfigError(f"inputs {T.LOGIT_BIAS_IDS!r} and {T.LOGIT_BIAS_VALUES!r} must have "
+                                     "the same number of elements")
+        values["logit_bias"] = tuple((int(t), float(b)) for t, b in
+                                     zip(bias_ids.reshape(-1), biases.reshape(-1), strict=True))
+    for name in (T.LOGPROBS, T.PROMPT_LOGPROBS):  # -1 on the wire: none asked for (as if absent)
+        if values.get(name, 0) < 0:  # type: ignore[operator]
+            del values[name]
+    if max_tokens is not None and T.MIN_TOKENS in values:  # prefill's one token: banned or not is all
+        values[T.MIN_TOKENS] = min(int(values[T.MIN_TOKENS]), max_tokens)  # type: ignore[call-overload]
     return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+# scalar inputs -> the SamplingParams field of the same name, and how to read it
+_SCALARS: tuple[tuple[str, Callable[[object], object]], ...] = (
+    (T.MAX_TOKENS, int), (T.TEMPERATURE, float), (T.TOP_P, float), (T.TOP_K, int), (T.SEED, int),
+    (T.N, int), (T.LOGPROBS, int), (T.PROMPT_LOGPROBS, int), (T.PRESENCE_PENALTY, float),
+    (T.FREQUENCY_PENALTY, float), (T.REPETITION_PENALTY, float), (T.MIN_TOKENS, int),
+)
 
 
 def sampling_values(params: SamplingParams, *, with_max_tokens: bool = True) -> dict[str, list]:
     """The values of the inputs that carry `params` to a model, by input name: temperature, top_p and
-    top_k always, seed, ignore_eos, stop and structured only when set (texts as UTF-8 bytes)."""
+    top_k always, the others only when set or when they differ from their defaults (texts as UTF-8
+    bytes, logit_bias as ids and biases)."""
     out: dict[str, list] = {}
     if with_max_tokens:
         out[T.MAX_TOKENS] = [params.max_tokens]
@@ -79,7 +103,21 @@ def sampling_values(params: SamplingParams, *, with_max_tokens: bool = True) -> 
         out[T.STOP] = [s.encode("utf-8") for s in params.stop]
     if params.structured:
         out[T.STRUCTURED] = [params.structured.encode("utf-8")]
+    defaults = _DEFAULTS
+    for name in (T.N, T.LOGPROBS, T.PROMPT_LOGPROBS, T.PRESENCE_PENALTY, T.FREQUENCY_PENALTY,
+                 T.REPETITION_PENALTY, T.MIN_TOKENS):
+        value = getattr(params, name)
+        if value != getattr(defaults, name):
+            out[name] = [value]
+    if params.logit_bias:
+        out[T.LOGIT_BIAS_IDS] = [t for t, _ in params.logit_bias]
+        out[T.LOGIT_BIAS_VALUES] = [b for _, b in params.logit_bias]
+    if params.stop_token_ids:
+        out[T.STOP_TOKEN_IDS] = list(params.stop_token_ids)
     return out
+
+
+_DEFAULTS = SamplingParams()
 
 
 def sampling_inputs(params: SamplingParams, *, with_max_tokens: bool = True) -> dict[str, np.ndarray]:

@@ -29,6 +29,30 @@ SEED = "seed"
 STOP = "stop"
 IGNORE_EOS = "ignore_eos"
 STRUCTURED = "structured"  # JSON text of rngd_pd.model.structured.Structured: the reply's grammar
+# OpenAI's and vLLM's extensions (rngd_pd.model.params.SamplingParams); logit_bias travels as two
+# parallel tensors (ids, biases)
+N = "n"
+LOGPROBS = "logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
+REPETITION_PENALTY = "repetition_penalty"
+LOGIT_BIAS_IDS = "logit_bias_ids"
+LOGIT_BIAS_VALUES = "logit_bias_values"
+MIN_TOKENS = "min_tokens"
+STOP_TOKEN_IDS = "stop_token_ids"
+# Outputs beside output_ids. Logprobs cross Triton as tensors: for each id of the response a row of
+# width 1 + k (k = the request's `logprobs`): the chosen token and its top-k alternatives, ids in
+# TOKEN_LOGPROB_IDS, log-probabilities in TOKEN_LOGPROBS (empty when the request asked for none).
+# The prompt's the same way (row i: prompt token i + 1, from the logits of position i), on the first
+# response. INDEX is the choice (of n) a response belongs to.
+TOKEN_LOGPROB_IDS = "token_logprob_ids"
+TOKEN_LOGPROBS = "token_logprobs"
+PROMPT_LOGPROB_IDS = "prompt_logprob_ids"
+PROMPT_LOGPROB_VALUES = "prompt_logprob_values"
+INDEX = "index"
+FIRST_TOKENS = "first_tokens"  # prefill -> pd: the first token of each of n choices
+PROMPT_IDS = "prompt_ids"  # pd -> decode: the prompt, when the repetition penalty needs it
 REQUEST_KEY = "request_key"
 PROMPT_LEN = "prompt_len"
 FIRST_TOKEN = "first_token"
@@ -130,16 +154,26 @@ def _t(name: str, dtype: str, *dims: int, optional: bool = False) -> TensorSpec:
     return TensorSpec(name, dtype, tuple(dims), optional)
 
 
-# Sampling inputs shared by llm, pd, colocated (and decode/prefill where they sample).
-SAMPLING_INPUTS: tuple[TensorSpec, ...] = (
+# Sampling inputs shared by llm, pd, colocated, decode and prefill (every one that samples).
+SAMPLER_INPUTS: tuple[TensorSpec, ...] = (
     _t(TEMPERATURE, "FP32", 1, optional=True),
     _t(TOP_P, "FP32", 1, optional=True),
     _t(TOP_K, "INT32", 1, optional=True),
     _t(SEED, "UINT64", 1, optional=True),
-    _t(STOP, "BYTES", -1, optional=True),
     _t(IGNORE_EOS, "BOOL", 1, optional=True),  # benchmarks: run to max_tokens past EOS
     _t(STRUCTURED, "BYTES", 1, optional=True),  # structured outputs: sampled where tokens are chosen
+    _t(N, "INT32", 1, optional=True),
+    _t(LOGPROBS, "INT32", 1, optional=True),
+    _t(PROMPT_LOGPROBS, "INT32", 1, optional=True),
+    _t(PRESENCE_PENALTY, "FP32", 1, optional=True),
+    _t(FREQUENCY_PENALTY, "FP32", 1, optional=True),
+    _t(REPETITION_PENALTY, "FP32", 1, optional=True),
+    _t(LOGIT_BIAS_IDS, "INT32", -1, optional=True),
+    _t(LOGIT_BIAS_VALUES, "FP32", -1, optional=True),
+    _t(MIN_TOKENS, "INT32", 1, optional=True),
+    _t(STOP_TOKEN_IDS, "INT32", -1, optional=True),
 )
+SAMPLING_INPUTS: tuple[TensorSpec, ...] = (*SAMPLER_INPUTS, _t(STOP, "BYTES", -1, optional=True))
 GENERATION_INPUTS: tuple[TensorSpec, ...] = (
     _t(MAX_TOKENS, "INT32", 1),
     _t(STREAM, "BOOL", 1, optional=True),
@@ -149,11 +183,18 @@ TOKEN_OUTPUTS: tuple[TensorSpec, ...] = (
     _t(OUTPUT_IDS, "INT32", -1),
     _t(FINISH_REASON, "BYTES", 1),
 )
+LOGPROB_OUTPUTS: tuple[TensorSpec, ...] = (
+    _t(INDEX, "INT32", 1),
+    _t(TOKEN_LOGPROB_IDS, "INT32", -1),
+    _t(TOKEN_LOGPROBS, "FP32", -1),
+    _t(PROMPT_LOGPROB_IDS, "INT32", -1),
+    _t(PROMPT_LOGPROB_VALUES, "FP32", -1),
+)
 
 LLM = ModelSpec(
     "llm",
     (_t(TEXT_INPUT, "BYTES", 1), *GENERATION_INPUTS),
-    (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS),
+    (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS, *LOGPROB_OUTPUTS),
     decoupled=True,
     doc="ensemble preprocess -> pd -> postprocess; the model clients call",
 )
@@ -164,7 +205,7 @@ PD = ModelSpec(
     # context_ids, stop (the request's stop strings, echoed) and error are for the stateless postprocess
     # of the llm ensemble: a step may not mix inputs from a decoupled model and the ensemble's own inputs
     (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1), _t(STOP, "BYTES", -1), _t(ERROR, "BYTES", 1),
-     _t(WEIGHTS_STATE, "BYTES", 1)),
+     _t(WEIGHTS_STATE, "BYTES", 1), *LOGPROB_OUTPUTS),
     decoupled=True,
     doc="BLS orchestrator: prefill + decode of one request, streams tokens",
 )
@@ -183,9 +224,11 @@ PREPROCESS = ModelSpec(
 )
 PREFILL = ModelSpec(
     "prefill",
-    (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLING_INPUTS[:4],
-     _t(WEIGHTS_OP, "BYTES", 1, optional=True), _t(STRUCTURED, "BYTES", 1, optional=True)),
-    (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1), _t(WEIGHTS_STATE, "BYTES", 1)),
+    (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLER_INPUTS,
+     _t(WEIGHTS_OP, "BYTES", 1, optional=True)),
+    (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1), _t(WEIGHTS_STATE, "BYTES", 1),
+     _t(FIRST_TOKENS, "INT32", -1), _t(TOKEN_LOGPROB_IDS, "INT32", -1), _t(TOKEN_LOGPROBS, "FP32", -1),
+     _t(PROMPT_LOGPROB_IDS, "INT32", -1), _t(PROMPT_LOGPROB_VALUES, "FP32", -1)),
     doc="token ids -> first token; pushes each layer's KV through the transport",
 )
 DECODE = ModelSpec(
@@ -199,8 +242,9 @@ DECODE = ModelSpec(
         _t(INPUT_IDS, "INT32", -1, optional=True),
         _t(DESCRIBE, "BOOL", 1, optional=True),
         _t(WEIGHTS_OP, "BYTES", 1, optional=True),
+        _t(PROMPT_IDS, "INT32", -1, optional=True),
     ),
-    (*TOKEN_OUTPUTS, _t(LOCAL_PREFILL_TOKENS, "INT32", 1), _t(WEIGHTS_STATE, "BYTES", 1)),
+    (*TOKEN_OUTPUTS, _t(LOCAL_PREFILL_TOKENS, "INT32", 1), _t(WEIGHTS_STATE, "BYTES", 1), *LOGPROB_OUTPUTS),
     decoupled=True,
     doc="request key -> token stream; pulls the KV by key (cancel=true stops a key; input_ids: "
         "prefill here, no hand-off; describe=true: the local prefill threshold)",
@@ -208,8 +252,9 @@ DECODE = ModelSpec(
 POSTPROCESS = ModelSpec(
     "postprocess",
     (*TOKEN_OUTPUTS, _t(CONTEXT_IDS, "INT32", -1, optional=True), _t(STOP, "BYTES", -1, optional=True),
-     _t(ERROR, "BYTES", 1, optional=True)),
-    (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS),
+     _t(ERROR, "BYTES", 1, optional=True), *(_t(t.name, t.dtype, *t.dims, optional=True)
+                                             for t in LOGPROB_OUTPUTS)),
+    (_t(TEXT_OUTPUT, "BYTES", 1), *TOKEN_OUTPUTS, *LOGPROB_OUTPUTS),
     doc="token ids -> text",
 )
 

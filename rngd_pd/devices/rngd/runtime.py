@@ -356,10 +356,14 @@ class RngdRuntime:
         return torch.as_tensor(np.asarray(ids, dtype=np.int64))
 
     def prefill(self, tokens: Any, past: KVList | None = None, on_layer: OnLayer | None = None,
-                kv_dtype: Any = "bf16") -> tuple[Any, KVList]:
+                kv_dtype: Any = "bf16", all_logits: bool = False) -> tuple[Any, KVList]:
         """A chunk of up to the longest compiled length T after a past of up to the longest past
         bucket; shorter ones run padded in the smallest graph that holds them (the engine splits
-        longer prompts into chunks)."""
+        longer prompts into chunks). The compiled graphs end in the last token's logits only, so
+        prompt logprobs (`all_logits`) are refused."""
+        if all_logits:
+            raise ConfigError("prompt logprobs need every position's logits; the RNGD prefill graphs "
+                              "return the last one's: ask for them from a cpu or cuda prefill")
         t, p = int(tokens.shape[0]), int(past[0][0].shape[1]) if past else 0
         if not self.chunks or t > self.chunks[-1]:
             raise ConfigError(f"a chunk of {t} tokens is longer than the longest RNGD prefill graph "

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup serve test test-rngd test-vllm test-fast lint bench clean chart-tools rngd-env rngd-toolchain vllm-env
+.PHONY: setup serve test test-long test-rngd test-vllm test-fast lint bench clean chart-tools rngd-env rngd-toolchain vllm-env
 
 setup: $(STAMP)
 
@@ -34,7 +34,13 @@ chart-tools: setup
 # Everything but the RNGD compiler and the vLLM-judged tests: no root, no second environment. Prints the
 # 25 slowest tests.
 test: setup lint chart-tools
-	$(PY) -m pytest -q -m "not rngd and not vllm" --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not rngd and not vllm and not long" --durations=25 $(PYTEST_ARGS)
+
+# The fault, restart and change-under-streams e2e tests (marker long: SIGKILLed stubs, tritonserver
+# restarts, a weight swap or delta under 8 streams, network namespaces): 20-90 s each, so `make test`
+# leaves them to this target, which .ci/run runs after it.
+test-long: setup chart-tools
+	$(PY) -m pytest -q -m "long and not rngd and not vllm" --durations=10 $(PYTEST_ARGS)
 
 # The tests marked `rngd` (they need .venv-rngd or the cross toolchain): builds both first.
 test-rngd: setup rngd-env rngd-toolchain
@@ -50,7 +56,7 @@ test-vllm: setup vllm-env
 	$(PY) -m pytest -q -m vllm --durations=10 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not e2e and not rngd and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not e2e and not rngd and not vllm and not long" $(PYTEST_ARGS)
 
 # FuriosaAI RNGD compiler environment (its own venv: furiosa-torch pins torch 2.10 and numpy 2, which
 # cannot share .venv). 3.5 GB of downloads and 7.3 GB on disk the first time, installed one package at a

@@ -271,6 +271,7 @@ def gguf() -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_hf_copy_loads_with_transformers_and_gives_the_ggufs_greedy_tokens(
     tmp_path: Path, gguf: Path
 ) -> None:

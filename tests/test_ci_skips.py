@@ -81,6 +81,7 @@ def test_ci_run_fails_when_a_step_skips_outside_the_allow_list_or_selects_nothin
     make.write_text(f"#!/bin/sh\ncd {tmp_path}/$1 && exec {' '.join(PYTEST)}\n")
     make.chmod(0o755)
     for step, body in (("test", "def test_x():\n    pytest.skip('no real helm here')\n"),
+                       ("test-long", "def test_w():\n    pass\n"),
                        ("test-rngd", "def test_y():\n    pass\n"),
                        ("test-vllm", "def test_z():\n    pass\n")):
         (tmp_path / step).mkdir()

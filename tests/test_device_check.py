@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_device_check_script_runs_its_steps_on_cpu(tmp_path):
     require_tritonserver()

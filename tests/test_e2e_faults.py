@@ -54,7 +54,7 @@ from rngd_pd.testing import e2e as E
 from tests.test_triton_serve import stop_and_reap
 from tests.triton_harness import require_tritonserver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.long]
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = E.PROMPTS[0]

@@ -24,7 +24,7 @@ from rngd_pd.testing import e2e as E
 from tests import skips
 from tests.triton_harness import READY_TIMEOUT_S, require_tritonserver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.long]
 ROLES = ("prefill", "decode", "relay")
 
 

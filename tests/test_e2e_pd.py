@@ -299,6 +299,7 @@ def test_a_repeated_prefix_is_reused_by_prefill_with_the_same_tokens(server) -> 
     assert 0 < _metric(server, 'rngd_pd_prefix_cache_hit_rate{model="prefill"}') <= 1
 
 
+@pytest.mark.long
 def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[str, str]) -> None:
     """Regressions: a cancelled request kept pd busy for 30 s (its decode stream's last response never
     came back), finished BLS streams still held at pd's exit hung its unload, and an llm request that

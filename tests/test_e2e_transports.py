@@ -46,6 +46,7 @@ def _serve_with_retries(server, text: str, attempts: int = 3) -> list[int]:
     raise AssertionError(f"no success after the relay came back: {last}")
 
 
+@pytest.mark.long
 def test_tcp_relay_tokens_and_relay_killed_mid_transfer(tmp_path: Path) -> None:
     relay = start_relay()
     host, port = relay.addr.rsplit(":", 1)

@@ -28,7 +28,7 @@ from rngd_pd.testing.checkpoints import changed_copy, export_embedded
 from rngd_pd.wire.weights import apply_delta
 from tests.triton_harness import triton_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 CHANGED = ["model.layers.3.self_attn.k_proj.weight", "model.layers.7.mlp.up_proj.weight",
            "model.layers.20.self_attn.o_proj.weight"]
 TOKENS = 24

@@ -21,7 +21,7 @@ from rngd_pd.serve.model_control import model_config, swap
 from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 TOKENS = E.MAX_TOKENS
 PROMPTS = E.PROMPTS[:3]
 PD_OUT = ("output_ids", "finish_reason")

@@ -175,6 +175,7 @@ def test_colocated_model_gives_the_same_text(triton, served):
         assert r.choices[0].text == expected(text)[1]
 
 
+@pytest.mark.long
 def test_after_front_end_traffic_triton_unloads_every_model_promptly(served, tmp_path):
     """The front end closes each finished gRPC stream instead of dropping it: a stream cancelled or
     dropped after its final response leaks the request's state in Triton 2.51 and pins the model

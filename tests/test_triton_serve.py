@@ -215,6 +215,7 @@ def test_a_tritonserver_killed_while_loading_is_started_again(tmp_path: Path) ->
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_tritonserver_that_hangs_while_loading_is_restarted_then_given_up(tmp_path: Path) -> None:
     """A start that never gets ready (Triton 2.51 waiting for a stub whose launch handshake failed) is
     stopped at --ready-timeout and retried under the policy; past it serve exits 1 saying why."""
@@ -291,6 +292,7 @@ def _echo_stream(url: str, ids: list[int], timeout: float) -> list[int] | str:
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(tmp_path: Path) -> None:
     """A stub that never returns from execute (alive and healthy to Triton, as a deadlocked one is:
     README, Known limits) leaves requests waiting; after --hang-timeout serve restarts tritonserver,
@@ -327,6 +329,7 @@ def test_a_stub_that_hangs_alive_is_found_by_its_waiting_requests_and_restarted(
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 def test_a_stopped_stub_is_restarted(tmp_path: Path) -> None:
     """A SIGSTOPped stub: Triton fails its requests at once with "not healthy" and logs nothing;
     serve sees the stub stopped in /proc for 10 s and restarts tritonserver; echo answers again."""

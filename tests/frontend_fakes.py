@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import openai
 import uvicorn
 
 from rngd_pd.frontend.backend import GenerateRequest, TokenChunk, check_supported
@@ -143,3 +144,8 @@ def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def openai_client(url: str, key: str = "none", timeout: float = 120.0) -> openai.OpenAI:
+    """The openai SDK against a front end at `url`, no retries (a test sees the first answer)."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)

@@ -12,9 +12,6 @@ logprobs, not about a bf16 cache), and the penalty formulas of OpenAI's and vLLM
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 
@@ -28,9 +25,9 @@ from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
 from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.testing import e2e as E
-from tests.frontend_fakes import serve_app
+from tests.frontend_fakes import openai_client, serve_app
 from tests.test_sampling_features import reference_adjust
-from tests.triton_harness import triton_server
+from tests.triton_harness import shm_server
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -40,17 +37,9 @@ PROMPT = "The three primary colours are"
 
 @pytest.fixture(scope="module")
 def triton() -> Iterator:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm_root = tempfile.mkdtemp(prefix="rngd-pd-api-shm-", dir=base)
-    repo = E.subset_repository(["pd", "prefill", "decode", "preprocess", "postprocess", "llm"])
-    env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root, "RNGD_PD_DTYPE": "fp32",
-           "RNGD_PD_KV_DTYPE": "fp32"}
-    try:
-        with triton_server(repo, "cpu", env) as server:
-            yield server
-    finally:
-        shutil.rmtree(shm_root, ignore_errors=True)
-        shutil.rmtree(repo, ignore_errors=True)
+    with shm_server(["pd", "prefill", "decode", "preprocess", "postprocess", "llm"],
+                    {"RNGD_PD_DTYPE": "fp32", "RNGD_PD_KV_DTYPE": "fp32"}, "rngd-pd-api-shm-") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +56,7 @@ def url(triton, served) -> Iterator[str]:
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 @torch.inference_mode()

@@ -13,7 +13,7 @@ import pytest
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
 from rngd_pd.frontend.served_model import load_served_model
-from tests.frontend_fakes import SCRIPT, FakeBackend, free_port, serve_app, wait_for
+from tests.frontend_fakes import SCRIPT, FakeBackend, free_port, openai_client, serve_app, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -35,7 +35,7 @@ def url(served, backend):
 
 
 def client(url: str, key: str = "none") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+    return openai_client(url, key, timeout=30)
 
 
 def expected(served, backend, n: int) -> str:

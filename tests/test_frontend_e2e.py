@@ -19,8 +19,8 @@ import pytest
 from rngd_pd.frontend.app import create_app
 from rngd_pd.frontend.config import FrontendConfig
 from rngd_pd.testing import e2e as E
-from tests.frontend_fakes import serve_app, wait_for
-from tests.triton_harness import triton_server
+from tests.frontend_fakes import openai_client, serve_app, wait_for
+from tests.triton_harness import shm_server
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,15 +29,8 @@ N = 24  # tokens per greedy comparison
 
 @pytest.fixture(scope="module")
 def triton() -> Iterator:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm_root = tempfile.mkdtemp(prefix="rngd-pd-fe-shm-", dir=base)
-    repo = E.subset_repository(["pd", "prefill", "decode", "colocated"])
-    try:
-        with triton_server(repo, "cpu", {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root}) as server:
-            yield server
-    finally:
-        shutil.rmtree(shm_root, ignore_errors=True)
-        shutil.rmtree(repo, ignore_errors=True)
+    with shm_server(["pd", "prefill", "decode", "colocated"], prefix="rngd-pd-fe-shm-") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def url(triton, served) -> Iterator[str]:
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(url)
 
 
 def expected(prompt: str, max_tokens: int = N) -> tuple[int, str, str]:

@@ -58,3 +58,21 @@ def triton_server(repository: str | Path, config_name: str | None = None,
     finally:
         server.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def shm_server(models: Sequence[str], env: Mapping[str, str] | None = None,
+               prefix: str = "rngd-pd-shm-") -> Iterator[TritonServer]:
+    """A ready tritonserver (cpu config) serving a repository of just `models`, the KV handed over by
+    shm in a root of its own under /dev/shm; the root and the repository go with it."""
+    from rngd_pd.testing import e2e as E
+
+    shm_root = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    repo = E.subset_repository(list(models))
+    try:
+        with triton_server(repo, "cpu", {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm_root,
+                                         **(env or {})}) as server:
+            yield server
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)

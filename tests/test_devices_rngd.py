@@ -344,18 +344,24 @@ def test_configured_shapes_follow_the_model_repository():
         rngd.model_configs("cuda")
 
 
+def rngd_missing() -> str | None:
+    """What the real compiler needs and this machine lacks (.venv-rngd, the cross compiler), naming
+    the make target that brings it; None when both are there."""
+    if rngd_envs.rngd_python() is None:
+        return f"{rngd_envs.rngd_env()} is missing: run `make rngd-env`"
+    if rngd_graphs.toolchain_missing():
+        return f"{rngd_graphs.toolchain_missing()} (`make rngd-toolchain`)"
+    return None
+
+
 def _rngd_ready_or_skip():
     """In CI (CI=true) a missing environment or cross compiler fails the test; elsewhere it skips,
     saying why. The one skip in CI: `make rngd-env` found no room on the disk for the environment
     (rngd_setup's marker says how much it needed and had)."""
-    why = None
     no_room = rngd_setup.no_room_marker(rngd_envs.rngd_env())
     if rngd_envs.rngd_python() is None and no_room.exists():
         pytest.skip(no_room.read_text().strip())
-    if rngd_envs.rngd_python() is None:
-        why = f"{rngd_envs.rngd_env()} is missing: run `make rngd-env`"
-    elif rngd_graphs.toolchain_missing():
-        why = f"{rngd_graphs.toolchain_missing()} (`make rngd-toolchain`)"
+    why = rngd_missing()
     if why and os.environ.get("CI") == "true":
         pytest.fail(f"CI must check the RNGD compiler: {why}")
     if why:

@@ -153,11 +153,9 @@ def test_the_card_worker_builds_each_graph_once_through_its_builder():
 
 
 def _ready_or_skip():
-    why = None
-    if rngd_envs.rngd_python() is None:
-        why = f"{rngd_envs.rngd_env()} is missing: run `make rngd-env`"
-    elif rngd_graphs.toolchain_missing():
-        why = f"{rngd_graphs.toolchain_missing()} (`make rngd-toolchain`)"
+    from tests.test_devices_rngd import rngd_missing
+
+    why = rngd_missing()
     if why and os.environ.get("CI") == "true":
         pytest.fail(f"CI must check the RNGD compile path: {why}")
     if why:

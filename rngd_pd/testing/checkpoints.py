@@ -14,6 +14,7 @@ import json
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -55,11 +56,12 @@ def write_checkpoint(dst: Path, config: ModelConfig, tensors: Iterable[tuple[str
     tokenizer and chat template go with it, and so its BOS and EOS ids go into the config (a Llama-3.1
     shape's own ids, 128000+, are not in that tokenizer: no engine could stop on them)."""
     dst.mkdir(parents=True, exist_ok=True)
-    ids = open_checkpoint(None).config()
+    embedded = open_checkpoint(None)
+    ids = embedded.config()
     config = dataclasses.replace(config, bos_token_id=ids.bos_token_id, eos_token_ids=ids.eos_token_ids)
     (dst / "config.json").write_text(json.dumps(hf_config(config), indent=1))
     (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": list(config.eos_token_ids)}))
-    _copy_tokenizer(dst)
+    _copy_tokenizer(embedded.tokenizer(ids), dst)
     weight_map: dict[str, str] = {}
     for n, shard in enumerate(_shards(tensors, shard_bytes)):
         name = f"model-{n:05d}.safetensors"
@@ -82,9 +84,7 @@ def _shards(tensors: Iterable[tuple[str, Tensor]], limit: int) -> Iterator[dict[
         yield shard
 
 
-def _copy_tokenizer(dst: Path) -> None:
-    ckpt = open_checkpoint(None)
-    tok = ckpt.tokenizer(ckpt.config())
+def _copy_tokenizer(tok: Any, dst: Path) -> None:
     tok.tok.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}))

@@ -147,7 +147,8 @@ def sentence(rng: random.Random, words: int) -> str:
 
 def chat_trace(tok: Any, conversations: int, turns: int, seed: int, salt: str) -> list[tuple[int, list[int]]]:
     """[(conversation, prompt ids)] in arrival order: each conversation's turns in order, the
-    conversations interleaved at random; turn t's prompt is the system prompt and the whole history."""
+    conversations interleaved at random; turn t's prompt is the system prompt and the whole history
+    (the earlier turns' user messages and replies)."""
     rng = random.Random(seed)
     system = f"Session {salt}. You are the operations assistant of a shipping line. " + " ".join(
         sentence(rng, 12) for _ in range(8))
@@ -160,6 +161,13 @@ def chat_trace(tok: Any, conversations: int, turns: int, seed: int, salt: str) -
         out.append((c, tok.encode(tok.apply_chat_template(histories[c]))))
         histories[c].append({"role": "assistant", "content": " ".join(sentence(rng, 12) for _ in range(6))})
     return out
+
+
+def arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each of `count` requests arrives: a Poisson process of
+    `rate` per second (seeded, so every policy of a round sees the same times)."""
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1 / rate, size=count)).tolist()
 
 
 # ---- routing -----------------------------------------------------------------------------------
@@ -187,38 +195,63 @@ def run_routing(args: argparse.Namespace) -> dict:
         for name, (server, _) in servers.items():  # first calls pay one-time costs (allocations, kernels)
             for i, (_, ids) in enumerate(warm):
                 prefill(server.grpc_url, f"warm-{name}-{i}", ids)
-        policies = ("events", "round-robin", "single")
+        rate = args.rate
         for rnd in range(args.rounds):
-            for policy in policies[rnd % 3:] + policies[:rnd % 3]:
+            # single first, one request at a time: the hit-rate reference and, in round 0, the
+            # service time that sets the open-loop rate (--load); then the two-pod policies
+            pair = ("events", "round-robin") if rnd % 2 == 0 else ("round-robin", "events")
+            for policy in ("single", *pair):
                 salt = f"r{rnd}-{policy}"
                 trace = chat_trace(tok, args.conversations, args.turns, seed=args.seed + rnd, salt=salt)
+                # the round's system prompt is on every pod first, as a deployment's shared system
+                # prompt is once traffic has reached each pod (else the first pod to see it keeps
+                # every new chat and the other idles): a one-turn chat of its own, not measured
+                opener = chat_trace(tok, 1, 1, seed=args.seed + rnd, salt=salt)[0][1]
+                for name, (server, _) in servers.items():
+                    prefill(server.grpc_url, f"{salt}-system-{name}", opener)
                 before = {n: prefix_counters(s) for n, (s, _) in servers.items()}
-                say(f"round {rnd} {policy}: {len(trace)} requests")
-                for row in run_policy(policy, trace, servers, router, salt, args.concurrency):
-                    rows.append({"round": rnd, **row})
+                policy_rate = 0.0 if policy == "single" else rate
+                say(f"round {rnd} {policy}: {len(trace)} requests"
+                    + (f", Poisson arrivals at {policy_rate:.2f}/s" if policy_rate else ", one at a time"))
+                got = run_policy(policy, trace, servers, router, salt, args.concurrency, policy_rate,
+                                 seed=args.seed + rnd)
+                rows += [{"round": rnd, **row} for row in got]
+                if policy == "single" and rnd == 0 and not rate and args.load:
+                    service = float(np.mean([r["ttft_s"] for r in got]))
+                    rate = args.load * 2 / service
+                    say(f"one pod serves this trace in {1000 * service:.0f} ms a request: "
+                        f"{args.load:.2f} of two pods' capacity is {rate:.2f} requests/s")
                 router.refresh(50)
                 after = {n: prefix_counters(s) for n, (s, _) in servers.items()}
                 q = sum(after[n][0] - before[n][0] for n in servers)
                 h = sum(after[n][1] - before[n][1] for n in servers)
                 rows.append({"round": rnd, "policy": policy, "summary": True, "queried": q, "hits": h})
+        args.rate_used = rate
         for sub in subs.values():
             sub.close()
     return summarize_routing(rows, args)
 
 
 def run_policy(policy: str, trace: list[tuple[int, list[int]]], servers: dict[str, Any], router: Any,
-               salt: str, concurrency: int) -> list[dict]:
-    """Send the trace under one policy. Conversation c is served by client c % concurrency, its turns
-    one after another (a chat waits for its reply); with concurrency > 1 the event router also weighs
-    the requests in flight per pod (rngd_pd.testing.kv_router)."""
+               salt: str, concurrency: int, rate: float = 0.0, seed: int = 0) -> list[dict]:
+    """Send the trace under one policy; a chat's turn is sent only once its previous turn has been
+    answered (a user waits for the reply).
+
+    rate 0: conversation c is served by client c % concurrency, its turns one after another.
+    rate > 0 (open loop): turns arrive as a Poisson process of `rate` per second in trace order, each
+    on its own thread; one whose previous turn is still running is held until it is answered (TTFT
+    counts from when it is sent, the hold is recorded). With requests in flight at once the event
+    router also weighs them per pod (rngd_pd.testing.kv_router), as llm-d's queue scorer does."""
     lock, rr = threading.Lock(), itertools.count()
     inflight = {name: 0 for name in servers}
+    weigh_queue = concurrency > 1 or rate > 0
     rows: list[dict] = []
+    start = time.perf_counter()
 
     def pick(ids: list[int]) -> tuple[str, int]:
         with lock:
             if policy == "events":
-                pod, expected = router.route(ids, dict(inflight) if concurrency > 1 else None)
+                pod, expected = router.route(ids, dict(inflight) if weigh_queue else None)
             elif policy == "round-robin":
                 pod, expected = ("a", "b")[next(rr) % 2], -1
             else:
@@ -226,26 +259,63 @@ def run_policy(policy: str, trace: list[tuple[int, list[int]]], servers: dict[st
             inflight[pod] += 1
         return pod, expected
 
-    def client(items: list[tuple[int, int, list[int]]]) -> None:
-        for i, conv, ids in items:
-            pod, expected = pick(ids)
-            try:
-                ttft = prefill(servers[pod][0].grpc_url, f"{salt}-{i}", ids)
-            finally:
-                with lock:
-                    inflight[pod] -= 1
+    def send(i: int, conv: int, ids: list[int], arrived: float) -> None:
+        sent = time.perf_counter() - start
+        pod, expected = pick(ids)
+        try:
+            ttft = prefill(servers[pod][0].grpc_url, f"{salt}-{i}", ids)
+        finally:
             with lock:
-                rows.append({"policy": policy, "index": i, "conversation": conv, "pod": pod,
-                             "prompt_tokens": len(ids), "router_expected_tokens": expected, "ttft_s": ttft})
+                inflight[pod] -= 1
+        with lock:
+            rows.append({"policy": policy, "index": i, "conversation": conv, "pod": pod,
+                         "prompt_tokens": len(ids), "router_expected_tokens": expected, "ttft_s": ttft,
+                         "held_s": max(0.0, sent - arrived)})
 
-    work = [[(i, c, ids) for i, (c, ids) in enumerate(trace) if c % concurrency == k]
-            for k in range(concurrency)]
-    threads = [threading.Thread(target=client, args=(items,)) for items in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if rate <= 0:
+        def client(items: list[tuple[int, int, list[int]]]) -> None:
+            for i, conv, ids in items:
+                send(i, conv, ids, time.perf_counter() - start)
+
+        work = [[(i, c, ids) for i, (c, ids) in enumerate(trace) if c % concurrency == k]
+                for k in range(concurrency)]
+        run_threads([threading.Thread(target=client, args=(items,)) for items in work])
+        return sorted(rows, key=lambda r: r["index"])
+
+    latest: dict[int, threading.Event] = {}
+
+    def turn(i: int, conv: int, ids: list[int], arrived: float, previous: threading.Event | None,
+             answered: threading.Event) -> None:
+        try:
+            if previous is not None and not previous.wait(900):
+                raise TimeoutError(f"turn {i}: the previous turn of chat {conv} took over 900 s")
+            send(i, conv, ids, arrived)
+        finally:
+            answered.set()
+
+    threads = []
+    for i, ((conv, ids), at) in enumerate(zip(trace, arrivals(len(trace), rate, seed), strict=True)):
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        answered = threading.Event()
+        threads.append(threading.Thread(target=turn, args=(i, conv, ids, at, latest.get(conv), answered)))
+        latest[conv] = answered
+        threads[-1].start()
+    run_threads(threads, started=True)
+    if len(rows) != len(trace):
+        raise RuntimeError(f"{policy}: {len(trace) - len(rows)} of {len(trace)} requests failed (see above)")
     return sorted(rows, key=lambda r: r["index"])
+
+
+def run_threads(threads: list[threading.Thread], started: bool = False, timeout_s: float = 3600) -> None:
+    """Start (unless started) and join every thread, within `timeout_s` in all."""
+    if not started:
+        for t in threads:
+            t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"requests still running after {timeout_s:.0f} s")
 
 
 def summarize_routing(rows: list[dict], args: argparse.Namespace) -> dict:
@@ -257,8 +327,12 @@ def summarize_routing(rows: list[dict], args: argparse.Namespace) -> dict:
         ttft = [r["ttft_s"] for r in reqs]
         out["policies"][policy] = {"requests": len(reqs), "hit_rate": h / q if q else 0.0,
                                    "ttft_p50_ms": 1000 * p50(ttft),
+                                   "ttft_mean_ms": 1000 * float(np.mean(ttft)),
+                                   "held_mean_ms": 1000 * float(np.mean([r.get("held_s", 0) for r in reqs])),
+                                   "pods": {n: sum(r["pod"] == n for r in reqs) for n in ("a", "b")},
                                    "ttft_p90_ms": 1000 * float(np.percentile(ttft, 90))}
     pol = out["policies"]
+    out["open_loop_rate_per_s"] = getattr(args, "rate_used", 0.0)
     out["hit_rate_vs_single"] = pol["events"]["hit_rate"] / pol["single"]["hit_rate"]
     out["ttft_p50_rr_over_events"] = pol["round-robin"]["ttft_p50_ms"] / pol["events"]["ttft_p50_ms"]
     out["judged"] = {"hit_rate_ge_0.9_single": out["hit_rate_vs_single"] >= 0.9,
@@ -314,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("routing")
     r.add_argument("--conversations", type=int, default=8)
     r.add_argument("--turns", type=int, default=6)
-    r.add_argument("--rounds", type=int, default=1, help="rounds of the three policies (rotated order)")
+    r.add_argument("--rounds", type=int, default=2,
+                   help="rounds: single, then events and round-robin (their order alternating)")
+    r.add_argument("--load", type=float, default=0.7,
+                   help="open-loop offered load of the two-pod policies, as a share of two pods' capacity "
+                        "(from single's mean TTFT in round 0); 0 with --rate 0: one request at a time")
+    r.add_argument("--rate", type=float, default=0.0, help="open-loop arrivals per second (overrides --load)")
     r.add_argument("--concurrency", type=int, default=1,
                    help="clients sending at once (conversation c on client c %% N); above 1 the event "
                         "router also weighs requests in flight, as llm-d's queue scorer")

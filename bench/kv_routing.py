@@ -2,26 +2,29 @@
 their published events (rngd_pd.testing.kv_router), against round-robin and one instance alone; and
 one prefill with publishing on against off.
 
-    .venv/bin/python bench/kv_routing.py routing [--conversations 8 --turns 6 --rounds 2] [--json F]
-    .venv/bin/python bench/kv_routing.py overhead [--requests 24 --prompt-tokens 512] [--json F]
+    python bench/kv_routing.py routing [--conversations 8 --turns 10 --rounds 3 --load 0.7] [--json F]
+    python bench/kv_routing.py overhead [--requests 24 --prompt-tokens 512] [--json F]
 
 Servers: tritonservers holding only `prefill` (cpu config, compute dtype auto unless --dtype, shm
 transport whose unread KV expires after 15 s), each with KV events on (`--kv-events-config`: PUB
 bound on an ipc endpoint, replay on 127.0.0.1) except the `off` server of `overhead`. Requests go to
-the `prefill` model by tritonclient gRPC, one at a time; TTFT is that call's latency (prefill
-computes the first token), client side. Hit rate is prefill's own counter
-(`rngd_pd_prefix_cache_hits_total` over `..._queries_total`, prompt tokens) summed over the servers a
-policy used.
+the `prefill` model by tritonclient gRPC; TTFT is that call's latency (prefill computes the first
+token), client side. Hit rate is prefill's own counter (`rngd_pd_prefix_cache_hits_total` over
+`..._queries_total`, prompt tokens) summed over the servers a policy used.
 
 * routing: a multi-turn chat trace (`--conversations` chats of `--turns` turns sharing one system
   prompt; each turn's prompt is the whole history through the model's chat template, so a returning
   chat repeats its earlier prompt as a prefix); the conversations' turns arrive in a seeded random
-  order. Policies `events` (2 instances, routed by the events), `round-robin` (2 instances) and
-  `single` (1 instance) run in alternating rounds on the same servers; every round salts the system
-  prompt so no round reuses another's blocks. Each server first prefills a short warm-up trace of its
-  own (not measured). `--concurrency N` runs N clients at once (each conversation on one of them);
-  the event router then adds llm-d's queue term (requests in flight per pod). Judged (issue 30):
-  events' hit rate >= 0.9 x single's, events' TTFT p50 <= round-robin's / 1.5.
+  order. Every round salts the system prompt (no round reuses another's blocks) and first puts it on
+  every pod (a one-turn chat of its own, not measured: a deployment's shared system prompt is on each
+  pod once traffic has reached it). Each round runs `single` (1 instance, one request at a time: the
+  hit-rate reference), then `events` (2 instances, routed by their events) and `round-robin`
+  (2 instances), their order alternating between rounds. The two-pod policies get the same open-loop
+  traffic: Poisson arrivals at `--load` x two pods' capacity (capacity = 1 / single's mean TTFT in
+  round 0; `--rate` sets the rate instead), a chat's turn held until its previous turn is answered;
+  with requests in flight the event router adds llm-d's queue term (requests in flight per pod).
+  `--load 0 --rate 0` sends every policy one request at a time (`--concurrency N`: N clients).
+  Judged (issue 30): events' hit rate >= 0.9 x single's, events' TTFT p50 <= round-robin's / 1.5.
 * overhead: unique prompts of `--prompt-tokens` random ids, each sent to the `on` and the `off` server
   (alternating which goes first). Judged: TTFT p50 on / off - 1 under 2 %. Also reported: the CPU time
   publishing adds per prompt, measured in this process, as a share of the off server's TTFT p50 (the
@@ -387,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("routing")
     r.add_argument("--conversations", type=int, default=8)
-    r.add_argument("--turns", type=int, default=6)
-    r.add_argument("--rounds", type=int, default=2,
+    r.add_argument("--turns", type=int, default=10)
+    r.add_argument("--rounds", type=int, default=3,
                    help="rounds: single, then events and round-robin (their order alternating)")
     r.add_argument("--load", type=float, default=0.7,
                    help="open-loop offered load of the two-pod policies, as a share of two pods' capacity "

@@ -16,7 +16,8 @@ every system sees the same requests in the same order; after the sweep, `--bisec
 between the highest rate that met --attainment and the lowest that did not, N times, per system.
 Workloads: `mix` (unique prompts whose lengths follow --mix), `chat` (conversations whose every turn
 resends the history plus a new user message: prefixes shared, as a chat client does), `summarize` (long
-prompts, short outputs). Output tokens are --max-tokens with EOS ignored.
+prompts, short outputs). Output tokens are --max-tokens with EOS ignored. Every point (and the warm-up)
+salts its prompts' first word, so no point reuses another's prefixes from a server's prefix cache.
 
 Prints a table; writes goodput.json (every point and request), goodput.png (attainment against rate per
 system) and the servers' logs under --out. A speed run runs alone: nothing else on the machine; the load
@@ -34,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -212,10 +213,28 @@ async def replay(url: str, model: str, requests: Sequence[Request], rate: float,
         return list(results), time.perf_counter() - t0
 
 
+def salted(requests: Sequence[Request], point: int) -> list[Request]:
+    """The requests with their first word replaced by point `point`'s own word (one token, like the
+    word it replaces, so every length holds). Each point replays the same requests, and a server with
+    a prefix cache (rngd-pd's and vLLM's are on by default) would serve every point after the first
+    from the KV the earlier ones left; salted, no prompt shares even its first block with another
+    point's, while a chat's turns still share their conversation's history within the point."""
+    words = _salt_words()
+    word = words[point % len(words)]
+    return [replace(r, prompt=" " + word + r.prompt[r.prompt.index(" ", 1):]) for r in requests]
+
+
+def _salt_words() -> list[str]:
+    words = list(load_gen._vocabulary(None)[1])
+    random.Random(20261207).shuffle(words)
+    return words
+
+
 def warm(url: str, model: str, requests: Sequence[Request], timeout: float) -> None:
-    """One request of each prompt length (shortest first), one at a time, before any measured point."""
+    """One request of each prompt length (shortest first), one at a time, before any measured point
+    (salted as point 0: nothing of it is reused by the measured points)."""
     seen: dict[int, Request] = {}
-    for r in requests:
+    for r in salted(requests, 0):
         seen.setdefault(r.prompt_tokens, r)
     for i, (n, r) in enumerate(sorted(seen.items())):
         warm_req = Request(i, 0.0, r.prompt + " warm", n + 1, 4)
@@ -230,7 +249,8 @@ def measure_system(url: str, system: str, requests: Sequence[Request], a: argpar
     points: list[dict[str, Any]] = []
 
     def run_at(rate: float) -> None:
-        results, wall = asyncio.run(replay(url, model, requests, rate, a.timeout))
+        batch = salted(requests, len(points) + 1)  # unique to this point (0 is the warm-up)
+        results, wall = asyncio.run(replay(url, model, batch, rate, a.timeout))
         row = point_row(system, rate, results, wall, objective)
         log(f"{system:>5} {rate:6.3f} req/s: attainment {row['attainment']:.2f}, TTFT p50/p90 "
             f"{row['ttft_p50_ms']}/{row['ttft_p90_ms']} ms, TPOT p50/p90 {row['tpot_p50_ms']}/"
@@ -257,7 +277,7 @@ def start_system(system: str, a: argparse.Namespace, stack: ExitStack) -> str:
     sa = sweep.parse_args(["--systems", system, "--num-slots", str(slots), "--out", str(a.out),
                            "--prompt-tokens", str(max(r.prompt_tokens for r in a.requests_)),
                            "--max-tokens", str(a.max_tokens), "--trace", "",
-                           *(x for arg in a.serve_arg for x in ("--serve-arg", arg))])
+                           *(f"--serve-arg={arg}" for arg in a.serve_arg)])
     ctx = sweep.rngd_stack([system], sa, a.out) if system == "pd" else sweep.peer(system, sa, a.out)
     return stack.enter_context(ctx)[0].url
 

@@ -102,3 +102,19 @@ def test_command_line_defaults_follow_the_issue():
     assert s.mix == goodput.SUMMARIZE_MIX and s.max_tokens == 32
     with pytest.raises(SystemExit):
         goodput.parse_args(["--systems", "tgi"])
+
+
+def test_each_point_salts_its_prompts_so_no_prefix_cache_carries_over():
+    make = load_gen.PromptMaker(None, 0).make
+    tok = load_gen._vocabulary(None)[0]
+    mix = goodput.mix_workload(6, [(40, 1.0)], 8, make, seed=2)
+    chat = goodput.chat_workload(2, 3, 24, 8, 8, 8, make, seed=2)
+    first, second = goodput.salted(mix, 1), goodput.salted(mix, 2)
+    for a, b, r in zip(first, second, mix, strict=True):
+        assert len(tok.encode(a.prompt)) == len(tok.encode(b.prompt)) == r.prompt_tokens
+        assert a.prompt.split()[1:] == b.prompt.split()[1:] == r.prompt.split()[1:]
+        assert tok.encode(a.prompt)[0] != tok.encode(b.prompt)[0]  # not even the first block is shared
+    turns = goodput.salted(chat, 1)
+    for conv in (0, 1):
+        mine = [r.prompt for r in turns if r.conversation == conv]
+        assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(mine))

@@ -44,7 +44,7 @@ class ServingParams:
     device: str = param("cpu", choices=DEVICES, help="where the instances run")
     device_ids: tuple[int, ...] = param((-1,), help="-1 = the allocated card; else one id per instance")
     torch_threads: int = param(0, help="torch intra-op threads per instance (0 = leave torch's default)")
-    share_cores: bool = param(False, help="cpu: compute on the host's idle cores while the other "
+    share_cores: bool = param(True, help="cpu: compute on the host's idle cores while the other "
                                          "instances are idle, torch_threads while they are busy "
                                          "(rngd_pd.devices.cores)")
     model_path: str | None = param(env=RNGD_PD_MODEL, help="checkpoint dir or .gguf; empty = embedded")

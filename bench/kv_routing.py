@@ -6,7 +6,8 @@ one prefill with publishing on against off.
     python bench/kv_routing.py overhead [--requests 24 --prompt-tokens 512] [--json F]
 
 Servers: tritonservers holding only `prefill` (cpu config, compute dtype auto unless --dtype, shm
-transport whose unread KV expires after 15 s), each with KV events on (`--kv-events-config`: PUB
+transport whose unread KV expires after 15 s, `share_cores` off: one core each, like pods on their own
+nodes), each with KV events on (`--kv-events-config`: PUB
 bound on an ipc endpoint, replay on 127.0.0.1) except the `off` server of `overhead`. Requests go to
 the `prefill` model by tritonclient gRPC; TTFT is that call's latency (prefill computes the first
 token), client side. Hit rate is prefill's own counter (`rngd_pd_prefix_cache_hits_total` over
@@ -93,8 +94,11 @@ def prefill_servers(names: Sequence[str], events_on: Sequence[str], dtype: str) 
         for name in names:
             shm = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm")
                                                                   else None))
+            # share_cores off: each server is a pod with its own core, as pods on separate nodes are
+            # (lending would let a lone pod use both, so "two pods' capacity" would be overstated)
             env = {"AIRM_KV_TRANSPORT": "shm", "PD_SHM_ROOT": shm, "AIRM_KV_SHM_TTL_S": "15",
-                   "RNGD_PD_DTYPE": dtype, "RNGD_PD_PARAM_PREFIX_BLOCK": str(BLOCK)}
+                   "RNGD_PD_DTYPE": dtype, "RNGD_PD_PARAM_PREFIX_BLOCK": str(BLOCK),
+                   "RNGD_PD_PARAM_SHARE_CORES": "false"}
             cfg_events = None
             if name in events_on:
                 cfg_events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/{name}.pub",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -221,13 +222,20 @@ def salted(requests: Sequence[Request], point: int) -> list[Request]:
     point's, while a chat's turns still share their conversation's history within the point."""
     words = _salt_words()
     word = words[point % len(words)]
-    return [replace(r, prompt=" " + word + r.prompt[r.prompt.index(" ", 1):]) for r in requests]
+    return [replace(r, prompt=" " + word + _after_first_word(r.prompt)) for r in requests]
 
 
-def _salt_words() -> list[str]:
+def _after_first_word(prompt: str) -> str:
+    """What follows a prompt's first word (" w1 w2 w3" -> " w2 w3"; a one-word prompt -> "")."""
+    cut = prompt.find(" ", 1)
+    return "" if cut < 0 else prompt[cut:]
+
+
+@functools.cache
+def _salt_words() -> tuple[str, ...]:
     words = list(load_gen._vocabulary(None)[1])
     random.Random(20261207).shuffle(words)
-    return words
+    return tuple(words)
 
 
 def warm(url: str, model: str, requests: Sequence[Request], timeout: float) -> None:

@@ -118,3 +118,5 @@ def test_each_point_salts_its_prompts_so_no_prefix_cache_carries_over():
     for conv in (0, 1):
         mine = [r.prompt for r in turns if r.conversation == conv]
         assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(mine))
+    one_word = goodput.mix_workload(2, [(1, 1.0)], 8, make, seed=2)  # nothing after its only word
+    assert [len(tok.encode(r.prompt)) for r in goodput.salted(one_word, 3)] == [1, 1]

@@ -8,6 +8,7 @@ other, with the same arrivals and prompts.
     python bench/goodput.py --workload summarize              # long prompts, short answers
     python bench/goodput.py --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
     python bench/goodput.py --systems pd --attach pd=http://127.0.0.1:9000   # a running front end
+    python bench/goodput.py --rescore runA,runB --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
 
 A request meets the objective when it succeeds, its TTFT <= max(--ttft-ms, --ttft-ms-per-token x its
 prompt tokens) and its TPOT <= --tpot-ms. Attainment at a rate = the share of the run's requests that meet
@@ -368,6 +369,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     out = ROOT / "bench" / "out" / time.strftime("goodput-%Y%m%d-%H%M%S")
     ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--rescore", type=lambda t: [Path(x) for x in t.split(",") if x], default=[],
+                    help="DIR,...: score earlier runs' points.jsonl against this objective (no servers)")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
     if set(a.systems) - set(SYSTEMS):
@@ -397,11 +400,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{a.workload}: {len(a.requests_)} requests a point; objective {objective}; "
         f"load average {os.getloadavg()[0]:.2f}")
     points: list[dict[str, Any]] = []
-    with (a.out / "points.jsonl").open("a") as sink:
-        for system in a.systems:  # one after the other: never two servers measuring at once
-            with ExitStack() as stack:
-                url = start_system(system, a, stack)
-                points += measure_system(url, system, a.requests_, a, objective, sink)
+    if a.rescore:
+        points = rescore(a.rescore, objective)
+        a.systems = sorted({p["system"] for p in points})
+    else:
+        with (a.out / "points.jsonl").open("a") as sink:
+            for system in a.systems:  # one after the other: never two servers measuring at once
+                with ExitStack() as stack:
+                    url = start_system(system, a, stack)
+                    points += measure_system(url, system, a.requests_, a, objective, sink)
     shape = f"{a.conversations}x{a.turns} turns" if a.workload == "chat" else a.mix
     title = f"{a.workload} ({shape}); {objective}"
     report = {
@@ -414,6 +421,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(points, a.attainment))
     log(f"wrote {a.out}/goodput.json, goodput.png, points.jsonl")
     return 0
+
+
+def rescore(runs: Sequence[Path], objective: Objective) -> list[dict[str, Any]]:
+    """Every point of earlier runs (their points.jsonl: each request's TTFT and TPOT) scored against
+    `objective`; a point keeps its rate, wall time and load average. Attainment at the measured rates
+    only: bisection needs the servers, so the goodput of a rescored run is the highest rate measured."""
+    points = []
+    for run in runs:
+        for line in (run / "points.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            results = [load_gen.Result(**r) for r in row["results"]]
+            new = point_row(row["system"], row["rate"], results, row["wall_s"], objective)
+            points.append({**new, "loadavg_1m": row["loadavg_1m"], "run": str(run)})
+    return points
 
 
 def cpu_name() -> str:

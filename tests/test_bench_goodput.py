@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 
@@ -120,3 +122,20 @@ def test_each_point_salts_its_prompts_so_no_prefix_cache_carries_over():
         assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(mine))
     one_word = goodput.mix_workload(2, [(1, 1.0)], 8, make, seed=2)  # nothing after its only word
     assert [len(tok.encode(r.prompt)) for r in goodput.salted(one_word, 3)] == [1, 1]
+
+
+def test_rescore_scores_earlier_runs_against_another_objective(tmp_path):
+    results = [_result(128, 1500.0, 40.0), _result(1536, 5000.0, 120.0), _result(512, 900.0, 90.0)]
+    run = tmp_path / "run"
+    run.mkdir()
+    row = goodput.point_row("pd", 0.5, results, 12.0, goodput.Objective())
+    assert row["attainment"] == round(1 / 3, 4)  # 1.5 s misses 1 s; 120 ms misses 100 ms
+    (run / "points.jsonl").write_text(json.dumps({**row, "loadavg_1m": 0.7,
+                                                  "results": [asdict(r) for r in results]}) + "\n")
+    (point,) = goodput.rescore([run], goodput.Objective(2000.0, 4.0, 150.0))
+    assert point["attainment"] == 1.0 and point["loadavg_1m"] == 0.7 and point["wall_s"] == 12.0
+    out = tmp_path / "out"
+    assert goodput.main(["--rescore", str(run), "--out", str(out), "--ttft-ms", "2000",
+                         "--ttft-ms-per-token", "4", "--tpot-ms", "150"]) == 0
+    report = json.loads((out / "goodput.json").read_text())
+    assert report["goodput"] == {"pd": 0.5} and (out / "goodput.png").is_file()

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
+from rngd_pd.engine.colocated import ColocatedEngine
+from rngd_pd.model.sampling import SamplingParams
 from rngd_pd.testing import e2e as E
 from tests.triton_harness import triton_server
 
@@ -297,6 +299,47 @@ def test_a_repeated_prefix_is_reused_by_prefill_with_the_same_tokens(server) -> 
         assert E.ids_of(got) == list(ids) and E.reason_of(got) == reason
     assert _metric(server, 'rngd_pd_prefix_cache_hits_total{model="prefill"}') - before >= 32
     assert 0 < _metric(server, 'rngd_pd_prefix_cache_hit_rate{model="prefill"}') <= 1
+
+
+def test_a_long_prompt_goes_to_prefill_in_chunks_and_a_short_one_goes_between(server) -> None:
+    """A 1,300-token prompt is prefilled as three requests (pd's prefill_chunk 512: two cache_only,
+    then the hand-off) with the tokens of the in-process engine, and the prefix cache counts none of
+    its own chunks as hits; short prompts sent just after a long one are prefilled between its chunks."""
+    text = " ".join(f"Line {i}: the {('red', 'blue', 'green')[i % 3]} crate weighs {i * 7 % 50} kg."
+                    for i in range(200))
+    long_ids = E.prompt_ids(text)[:1300]
+    assert len(long_ids) == 1300
+    with ColocatedEngine(E.loaded_model(), num_slots=1, max_len=2048) as engine:
+        want = engine.generate(long_ids, SamplingParams(max_tokens=8)).token_ids
+    hits = _metric(server, 'rngd_pd_prefix_cache_hits_total{model="prefill"}')
+    served = E.stream_infer(server.grpc_url, "pd", E.pd_inputs(long_ids, max_tokens=8), PD_OUT, timeout=300)
+    assert E.ids_of(served) == list(want)
+    assert _metric(server, 'rngd_pd_prefix_cache_hits_total{model="prefill"}') == hits
+    # one token each: a request ends when its prefill does; a fresh long prompt, two short ones after it
+    long_ids = long_ids[::-1]
+    with ColocatedEngine(E.loaded_model(), num_slots=1, max_len=2048) as engine:
+        want = engine.generate(long_ids, SamplingParams(max_tokens=1)).token_ids
+    done: dict[str, float] = {}
+    got: dict[str, list[int]] = {}
+
+    def run(name: str, ids: list[int]) -> None:
+        got[name] = E.ids_of(E.stream_infer(server.grpc_url, "pd", E.pd_inputs(ids, max_tokens=1), PD_OUT,
+                                            timeout=300))
+        done[name] = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=("long", long_ids))]
+    threads[0].start()
+    time.sleep(0.3)  # the long prompt's first chunk is in prefill
+    short = [(f"short{i}", E.prompt_ids(E.PROMPTS[i])) for i in range(2)]
+    threads += [threading.Thread(target=run, args=(name, ids)) for name, ids in short]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert got["long"] == list(want)
+    for i, (name, _) in enumerate(short):
+        assert got[name] == list(E.reference(E.PROMPTS[i])[0][:1])
+        assert done[name] < done["long"], done  # first come, first served would end the long one first
 
 
 @pytest.mark.long

@@ -333,3 +333,81 @@ def test_sampling_params_round_trip_through_tensors() -> None:
     assert sampling_params(tensors.get) == params
     with pytest.raises(errors.ConfigError, match="max_tokens"):
         sampling_params({}.get)
+
+
+class ChunkingPrefill(FakeModels):
+    """A prefill with a prefix cache of `cache` (False: none, it answers 0 cached tokens)."""
+
+    def __init__(self, cache: bool = True) -> None:
+        super().__init__()
+        self.cache = cache
+        self.cached_heads: list[int] = []
+
+    def infer(self, model, inputs, outputs):
+        if T.CACHE_ONLY in inputs:
+            self.calls.append((model, dict(inputs)))
+            head = len(inputs[T.INPUT_IDS])
+            self.cached_heads.append(head)
+            return {T.CACHED_TOKENS: np.array([head if self.cache else 0], np.int32)}
+        return super().infer(model, inputs, outputs)
+
+
+def _kinds(models: FakeModels) -> list[str]:
+    return [("cache" if T.CACHE_ONLY in c else m) for m, c in models.calls]
+
+
+def test_a_long_prompt_is_prefilled_in_cached_chunks_then_handed_off_whole() -> None:
+    """1,300 tokens in chunks of 512: two cache_only requests (heads of 512 and 1,024 tokens), then
+    the whole prompt; decode's stream starts only with that last turn, and tokens are unchanged."""
+    models = ChunkingPrefill()
+    orch = Orchestrator(models, models, local_prefill_tokens=0, prefill_chunk=512)
+    chunks: list[Chunk] = []
+    orch.run(list(range(1, 1301)), SamplingParams(max_tokens=4), True, chunks.append)
+    assert models.cached_heads == [512, 1024]
+    assert _kinds(models) == ["cache", "cache", "prefill", "decode"]
+    assert [c.token_ids for c in chunks] == [[7], [8], [9], [10]]
+    assert orch.prefill_queue.depth() == {}
+    models = ChunkingPrefill()  # prompt logprobs need every position: the prompt goes whole
+    Orchestrator(models, models, local_prefill_tokens=0).run(
+        list(range(1, 1301)), SamplingParams(max_tokens=4, prompt_logprobs=1), True, lambda c: None)
+    assert models.cached_heads == []
+
+
+def test_a_prefill_without_a_prefix_cache_gets_whole_prompts_from_then_on() -> None:
+    models = ChunkingPrefill(cache=False)
+    orch = Orchestrator(models, models, local_prefill_tokens=0, prefill_chunk=512)
+    for _ in range(2):
+        orch.run(list(range(1, 1301)), SamplingParams(max_tokens=4), True, lambda c: None)
+    assert models.cached_heads == [512]  # asked once; its 0 cached tokens said "no cache"
+    assert _kinds(models) == ["cache", "prefill", "decode", "prefill", "decode"]
+    models = ChunkingPrefill()
+    Orchestrator(models, models, local_prefill_tokens=0, prefill_chunk=0).run(
+        list(range(1, 1301)), SamplingParams(max_tokens=4), True, lambda c: None)
+    assert models.cached_heads == []
+    with pytest.raises(errors.ConfigError, match="prefill_chunk"):
+        Orchestrator(models, models, prefill_chunk=-1)
+
+
+def test_a_request_cancelled_while_its_prompt_waits_for_prefill_never_reaches_decode() -> None:
+    release = threading.Event()
+
+    class Busy(FakeModels):
+        def infer(self, model, inputs, outputs):
+            release.wait(10)
+            return super().infer(model, inputs, outputs)
+
+    models = Busy()
+    orch = Orchestrator(models, models, local_prefill_tokens=0)
+    first = threading.Thread(target=orch.run, args=([1, 2, 3], SamplingParams(max_tokens=4), True,
+                                                    lambda c: None))
+    first.start()
+    deadline = time.monotonic() + 10
+    while orch.prefill_queue.depth().get("", (0, 0))[0] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(errors.RequestCancelled, match="waited for prefill"):
+        orch.run([4, 5], SamplingParams(max_tokens=4), True, lambda c: None, cancelled=lambda: True)
+    release.set()
+    first.join(10)
+    assert [m for m, _ in models.calls] == ["decode", "prefill"] or \
+        [m for m, _ in models.calls] == ["prefill", "decode"]
+    assert models.aborted == [] and orch.prefill_queue.depth() == {}

@@ -121,3 +121,35 @@ def test_concurrent_prefills_share_one_cache(smollm) -> None:
         t.join(timeout=120)
     assert [got[i] for i in range(len(prompts))] == [[r, r] for r in refs]
     assert warm.prefix_cache.stats().hit_rate > 0.5
+
+
+def test_a_prompt_prefilled_in_cached_chunks_equals_one_prefilled_whole_fp32(smollm) -> None:
+    """pd's chunked prefill: cache_prefix of the prompt's first 32 and 64 tokens, then the prompt;
+    the last request computes only the rest, its KV and first token equal a whole prefill's, and the
+    hit rate counts none of the request's own chunks (only the system prompt another request cached)."""
+    tok = smollm.tokenizer
+    cold = PrefillEngine(smollm, kv_dtype=torch.float32, chunk_size=32)
+    warm = PrefillEngine(smollm, kv_dtype=torch.float32, chunk_size=32, prefix_cache_bytes=64 << 20,
+                         prefix_block=16)
+    other = chat(tok, "Where is my parcel?")
+    ids = chat(tok, "Which ship carries container 7, and when does it reach Rotterdam, Hamburg or Antwerp?")
+    assert len(ids) > 64
+    warm.prefill("other", other, GREEDY)
+    shared = next(i for i, (x, y) in enumerate(zip(other, ids, strict=False)) if x != y) // 16 * 16
+    before = warm.prefix_cache.stats()
+    reused = 0
+    for head in (32, 64):
+        cached, got = warm.cache_prefix("req", ids[:head])
+        assert cached == head
+        reused += got
+    hot = warm.prefill("req", ids, GREEDY)
+    ref = cold.prefill("req", ids, GREEDY)
+    assert hot.first_token == ref.first_token
+    for (k1, v1), (k2, v2) in zip(hot.kv, ref.kv, strict=True):
+        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+    after = warm.prefix_cache.stats()
+    assert after.queried_tokens - before.queried_tokens == len(ids)
+    assert after.hit_tokens - before.hit_tokens == reused + hot.cached_tokens == min(shared, 64)
+    assert warm.cache_prefix("x", ids[:40]) == (32, 32)  # a partial block is not kept; another's are reused
+    assert cold.cache_prefix("y", ids[:32]) == (0, 0)  # no prefix cache: nothing kept, say so

@@ -21,6 +21,14 @@ queues fill alike instead of decode taking them all (Dynamo's rule also weighs t
 `when="always"` goes by length alone. A request whose prefill server llm-d named (`prefill_at`)
 always hands off: the endpoint picker has decided.
 
+Prompts handed off wait their turn in a `PrefillQueue` (rngd_pd.engine.prefill_queue): `prefill_slots`
+at a time per prefill server, shortest remaining prefill first with aging. A prompt longer than
+`prefill_chunk` goes in chunks: each earlier chunk is a `cache_only` request that computes its KV into
+prefill's prefix cache, a turn of its own, and the last request computes only the last chunk and hands
+the whole KV over (a prefill server without a prefix cache answers 0 cached tokens: its prompts go
+whole from then on). Decode's stream starts with the last turn, so a prompt waiting in the queue holds
+no decode slot.
+
 Each emitted `Chunk` (`rngd_pd.engine.chunks`) carries up to `CONTEXT` ids that precede its tokens,
 so a stateless postprocess can detokenize streaming-safely (see `rngd_pd.stubs.text_models.text_delta`).
 """
@@ -40,6 +48,7 @@ import numpy as np
 
 from rngd_pd import errors
 from rngd_pd.engine.chunks import Chunk, ChunkEmitter, context_len
+from rngd_pd.engine.prefill_queue import PrefillQueue
 from rngd_pd.engine.workers import RequestPool
 from rngd_pd.model.sampling import FinishReason, SamplingParams, TokenLogprobs
 from rngd_pd.wire import logprobs as lp
@@ -140,11 +149,14 @@ class Orchestrator:
     def __init__(self, prefill: ModelClient, decode: ModelClient, *, prefill_model: str = "prefill",
                  decode_model: str = "decode", max_streams: int = 32,
                  local_prefill_tokens: int = AUTO, local_prefill_when: str = "busy",
-                 connect: Callable[[str], ModelClient] | None = None) -> None:
+                 connect: Callable[[str], ModelClient] | None = None, prefill_slots: int = 1,
+                 prefill_chunk: int = 512, prefill_aging: float = 1000.0) -> None:
         """local_prefill_tokens: prompts up to this long are prefilled by decode (AUTO: decode's own
         measured length; 0: always hand off), when `local_prefill_when` (module docstring).
         connect: a client for a prefill server named by address (llm-d's endpoint picker); the
-        stub passes its gRPC client, so this module needs no Triton."""
+        stub passes its gRPC client, so this module needs no Triton.
+        prefill_slots / prefill_aging: the PrefillQueue's (0 slots: no queue, Triton's order);
+        prefill_chunk: longer prompts go in chunks of this many tokens (0: whole)."""
         if local_prefill_when not in LOCAL_WHEN:
             raise errors.ConfigError(f"local_prefill_when must be one of {', '.join(LOCAL_WHEN)}, "
                                      f"got {local_prefill_when!r}")
@@ -161,6 +173,11 @@ class Orchestrator:
         self._pumps = RequestPool("pd-decode-stream", max_streams, max_streams)
         self._chosen: OrderedDict[str, ModelClient] = OrderedDict()  # prefill servers llm-d named
         self._chosen_lock = threading.Lock()
+        if prefill_chunk < 0:
+            raise errors.ConfigError(f"prefill_chunk must be >= 0 (0: whole prompts), got {prefill_chunk}")
+        self.prefill_queue = PrefillQueue(prefill_slots, prefill_aging)
+        self._chunk = prefill_chunk
+        self._whole: set[str] = set()  # prefill servers that keep no prefix cache: prompts go whole
 
     def close(self) -> None:
         """Stop reading decode streams (from the model's finalize)."""
@@ -231,12 +248,20 @@ class Orchestrator:
              emit: Callable[[Chunk], None], cancelled: Callable[[], bool], prefill_at: str | None,
              stats: RunStats) -> None:
         responses: queue.SimpleQueue = queue.SimpleQueue()
-        pump = self._pumps.submit(self._pump, stats.key, input_ids, params, responses, stats.local_prefill)
+        pumps: list = []
+
+        def start_decode() -> None:
+            pumps.append(self._pumps.submit(self._pump, stats.key, input_ids, params, responses,
+                                            stats.local_prefill))
+
         out = ChunkEmitter(stream, emit, context_len(params.stop), params.n)
         try:
             ready: list = []
-            if not stats.local_prefill:
-                firsts, prompt = self._prefill(self.prefill_client(prefill_at), stats.key, input_ids, params)
+            if stats.local_prefill:
+                start_decode()
+            else:
+                firsts, prompt = self._prefill_turns(prefill_at, stats, input_ids, params, cancelled,
+                                                     start_decode)
                 ready = _drain(responses)
                 _raise_refusal(ready)  # decode refused it already (over the context limit, say): no token
                 stats.first_token_at = time.monotonic()
@@ -246,8 +271,9 @@ class Orchestrator:
                             prompt if i == 0 else None)
             self._follow(stats.key, responses, out, cancelled, stats, ready)
         except BaseException as exc:
-            self.abort(stats.key)
-            pump.wait(JOIN_S)
+            if pumps:  # decode has the request (or will): drop it there
+                self.abort(stats.key)
+                pumps[0].wait(JOIN_S)
             if isinstance(exc, errors.RngdPdError) and exc.key is None:
                 exc.key = stats.key
             raise
@@ -274,6 +300,38 @@ class Orchestrator:
             if stats.queued:
                 self._queued[stats.local_prefill] -= stats.prompt_len
                 stats.queued = False
+
+    def _prefill_turns(self, prefill_at: str | None, stats: RunStats, input_ids: list[int],
+                       params: SamplingParams, cancelled: Callable[[], bool], start_decode: Callable[[], None]
+                       ) -> tuple[list[tuple[int, TokenLogprobs | None]], list[TokenLogprobs] | None]:
+        """Prefill by the prefill model, in turns of the PrefillQueue (module docstring): the earlier
+        chunks into its prefix cache, then the rest with the hand-off, decode's stream started just
+        before it."""
+        client, server = self.prefill_client(prefill_at), prefill_at or ""
+        # prompt logprobs need every position's logits, which the prefix cache does not keep
+        chunk = self._chunk if params.prompt_logprobs is None and server not in self._whole else 0
+        done, total = 0, len(input_ids)
+        while chunk and total - done > chunk:
+            with self.prefill_queue.turn(server, total - done, stats.start, cancelled):
+                cached = self._cache_chunk(client, stats.key, input_ids[:done + chunk])
+            if cached <= done:  # no prefix cache there (or it evicted the chunk at once): send it whole
+                if not cached:
+                    self._whole.add(server)
+                    log.warning("prefill server %s keeps no prefix cache: its prompts go whole, not in "
+                                "chunks of %d tokens (set prefix_cache_mb > 0 there, or prefill_chunk=0 "
+                                "here)", server or "(local)", chunk)
+                break
+            done = cached
+        with self.prefill_queue.turn(server, total - done, stats.start, cancelled):
+            start_decode()
+            return self._prefill(client, stats.key, input_ids, params)
+
+    def _cache_chunk(self, client: ModelClient, key: str, head: list[int]) -> int:
+        """Have prefill compute `head`'s KV into its prefix cache; the tokens of it cached there."""
+        inputs = {T.REQUEST_KEY: np.array([key.encode()], dtype=np.object_),
+                  T.INPUT_IDS: np.asarray(head, dtype=np.int32), T.CACHE_ONLY: np.array([True])}
+        result = client.infer(self.prefill_model, inputs, (T.CACHED_TOKENS,))
+        return (_ints(result, T.CACHED_TOKENS) or [0])[0]
 
     def _prefill(self, client: ModelClient, key: str, input_ids: list[int], params: SamplingParams
                  ) -> tuple[list[tuple[int, TokenLogprobs | None]], list[TokenLogprobs] | None]:

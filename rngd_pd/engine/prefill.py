@@ -8,11 +8,15 @@ i+1.. are still running.
 
 With a prefix cache (`rngd_pd.engine.prefix`), the longest cached block-aligned prefix of the prompt
 is copied in instead of computed and only the rest runs, as a chunk after that past; `on_layer` still
-gets the whole prompt's K/V.
+gets the whole prompt's K/V. `cache_prefix` computes a prompt's head into that cache only: pd prefills
+a long prompt as several requests this way, other prompts taking turns between them
+(`rngd_pd.engine.prefill_queue`); its last request then computes only the last chunk.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +32,7 @@ from rngd_pd.model.grammar import grammars_for
 from rngd_pd.model.sampling import Sampler, SamplingParams, TokenLogprobs, prompt_logprobs
 
 OnLayer = Callable[[int, Any, Any], None]
+CHUNKED_KEYS = 1024  # requests whose earlier chunks this engine remembers (for the hit rate only)
 
 
 class PrefillEngine:
@@ -61,6 +66,8 @@ class PrefillEngine:
         self.prefix_cache = PrefixCache(self.runtime, c.num_layers, c.num_kv_heads, c.head_dim,
                                         self.kv_dtype, prefix_cache_bytes, prefix_block, events) \
             if prefix_cache_bytes > 0 else None
+        self._looked_up: OrderedDict[str, int] = OrderedDict()  # key -> prompt tokens its chunks looked up
+        self._looked_up_lock = threading.Lock()
 
     def validate(self, key: str, token_ids: Sequence[int], params: SamplingParams) -> Any:
         """Check the request and return its tokens as the device's int64 [T]; raises before any compute."""
@@ -105,9 +112,10 @@ class PrefillEngine:
         cache = self.prefix_cache
         # prompt logprobs need every position's logits: no prefix reuse (its tokens' are not kept)
         prompt = _PromptLogprobs(ids, params.prompt_logprobs) if params.prompt_logprobs is not None else None
+        own = self._chunked_before(key)
         with self.runtime.inference():
             names = cache.hashes(ids) if cache is not None else []
-            cached, blocks = cache.match(ids, names) if cache is not None and prompt is None else (0, [])
+            cached, blocks = cache.match(ids, names, own) if cache is not None and prompt is None else (0, [])
             if not cached and (chunk is None or len(tokens) <= chunk):
                 logits, kv = self.runtime.prefill(tokens, on_layer=on_layer, kv_dtype=self.kv_dtype,
                                                   all_logits=prompt is not None)
@@ -121,8 +129,40 @@ class PrefillEngine:
                              ).choose(logits, constraints[i]) for i in range(params.n)]
             if cache is not None:
                 cache.insert(ids, kv, cached, names)
-        return PrefillResult(first_token=first[0].token, num_tokens=len(tokens), kv=kv, cached_tokens=cached,
-                             first=first, prompt_logprobs=None if prompt is None else prompt.rows)
+        return PrefillResult(first_token=first[0].token, num_tokens=len(tokens), kv=kv,
+                             cached_tokens=max(0, cached - own), first=first,
+                             prompt_logprobs=None if prompt is None else prompt.rows)
+
+    def cache_prefix(self, key: str, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Compute the KV of `token_ids`' full blocks into the prefix cache only: no token sampled,
+        nothing handed over. Returns (leading tokens the cache holds now, 0 without a prefix cache:
+        the caller must then send the prompt whole; tokens of this chunk reused from other requests).
+        Over a request's chunks (`key`) the hit rate counts each prompt token once, as reused only
+        when another request cached it."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0, 0
+        ids = self._ids(key, token_ids, SamplingParams(max_tokens=1))
+        own = self._chunked_before(key)
+        with self.runtime.inference():
+            names = cache.hashes(ids)
+            cached, blocks = cache.match(ids, names, own, leave=0)
+            full = len(names) * cache.block
+            if cache.present(names) < full:
+                tokens = self.runtime.tokens(ids[:full])
+                _, kv = self._chunked(tokens, self.chunk_size or full, None, cached, blocks)
+                cache.insert(ids[:full], kv, cached, names)
+        with self._looked_up_lock:
+            self._looked_up[key] = max(own, len(ids))
+            self._looked_up.move_to_end(key)
+            while len(self._looked_up) > CHUNKED_KEYS:
+                self._looked_up.popitem(last=False)
+        return cache.present(names), max(0, cached - own)
+
+    def _chunked_before(self, key: str) -> int:
+        """Prompt tokens `key`'s earlier chunks looked up in the prefix cache (cache_prefix); forgets them."""
+        with self._looked_up_lock:
+            return self._looked_up.pop(key, 0)
 
     def _chunked(self, tokens: Any, chunk: int, on_layer: OnLayer | None, cached: int = 0,
                  blocks: Sequence[Any] = (), prompt: _PromptLogprobs | None = None) -> tuple[Any, KVList]:

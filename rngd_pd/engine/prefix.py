@@ -94,10 +94,13 @@ class PrefixCache:
         insert so a prompt is hashed once."""
         return hashing.block_hashes(np.asarray(ids).tolist(), self.block, self.root)
 
-    def match(self, ids: np.ndarray, names: Sequence[bytes] | None = None) -> tuple[int, list[Any]]:
+    def match(self, ids: np.ndarray, names: Sequence[bytes] | None = None, own_tokens: int = 0,
+              leave: int = 1) -> tuple[int, list[Any]]:
         """(cached tokens, their blocks in order) for the longest cached prefix of `ids` that leaves
-        at least one token to compute; counts the lookup for the hit rate."""
-        names = (self.hashes(ids) if names is None else names)[:(len(ids) - 1) // self.block]
+        at least `leave` tokens to compute (a prompt's first token needs its last position's logits);
+        counts the lookup for the hit rate except its first `own_tokens`, which earlier chunks of the
+        same request looked up (PrefillEngine.cache_prefix)."""
+        names = (self.hashes(ids) if names is None else names)[:(len(ids) - leave) // self.block]
         with self._lock:
             found = []
             for name in names:
@@ -107,9 +110,15 @@ class PrefixCache:
                 found.append((name, tensor))
             for name, _ in reversed(found):  # deepest first: parents end up most recent
                 self._blocks.move_to_end(name)
-            self._queried += len(ids)
-            self._hits += len(found) * self.block
+            self._queried += len(ids) - min(own_tokens, len(ids))
+            self._hits += max(0, len(found) * self.block - own_tokens)
         return len(found) * self.block, [t for _, t in found]
+
+    def present(self, names: Sequence[bytes]) -> int:
+        """Tokens of the leading blocks `names` that are cached now (no lookup counted, no LRU refresh)."""
+        with self._lock:
+            n = next((i for i, name in enumerate(names) if name not in self._blocks), len(names))
+        return n * self.block
 
     def fill(self, blocks: Sequence[Any], kv: KVList) -> None:
         """Copy cached blocks into positions [0, len(blocks) * block) of per-layer buffers: one

@@ -169,7 +169,9 @@ class PdModel(_GenerationModel):
         self.orchestrator = Orchestrator(prefill, decode, prefill_model=p.prefill_model,
                                          decode_model=p.decode_model, max_streams=p.max_inflight,
                                          local_prefill_tokens=p.local_prefill_tokens,
-                                         local_prefill_when=p.local_prefill_when, connect=GrpcClient)
+                                         local_prefill_when=p.local_prefill_when, connect=GrpcClient,
+                                         prefill_slots=p.prefill_slots, prefill_chunk=p.prefill_chunk,
+                                         prefill_aging=p.prefill_aging)
         self.gate = Gate()  # closed while the weights switch (rngd_pd.engine.switch)
         self.switch = WeightSwitch(prefill, decode, self.gate, prefill_model=p.prefill_model,
                                    decode_model=p.decode_model)

@@ -1,5 +1,7 @@
 """The `prefill` model: token ids + request key -> first token; each layer's KV is pushed through the
 transport as soon as it is computed (`KVSender` as the engine's on_layer hook), the handle last.
+With `cache_only` it computes the prompt's KV into its prefix cache instead and answers how many
+tokens that holds (pd's chunked prefill, rngd_pd.engine.prefill_queue).
 
 `PrefillService` is the logic (a test drives it without Triton); `PrefillModel` adapts it for Triton.
 """
@@ -132,9 +134,16 @@ class PrefillModel:
             key = pbutils.input_scalar(request, T.REQUEST_KEY, "")
             if not key:
                 raise errors.ConfigError(f"input {T.REQUEST_KEY!r} is required")
+            ids = inputs.token_ids(get)
+            if pbutils.input_scalar(request, T.CACHE_ONLY, False):
+                cached, reused = self.service.engine.cache_prefix(key, ids)
+                if reused:  # its tokens count as queried with the last chunk
+                    self.metrics.record_prefix(0, reused)
+                self._count_events()
+                return pbutils.make_response(T.PREFILL, {T.CACHED_TOKENS: [cached]},
+                                             pbutils.requested_outputs(request))
             # prefill samples one token; decode checks the real max_tokens against the context
             params = inputs.sampling_params(get, max_tokens=1)
-            ids = inputs.token_ids(get)
             handle, push_s, result = self.service.prefill(key, ids, params)
         except Exception as exc:
             return pbutils.error_response(exc)
@@ -147,7 +156,8 @@ class PrefillModel:
         outputs = {T.FIRST_TOKEN: [handle.first_token], T.KV_HANDLE: handle.to_json,
                    T.FIRST_TOKENS: [f.token for f in result.first],
                    T.TOKEN_LOGPROB_IDS: first_ids, T.TOKEN_LOGPROBS: first_values,
-                   T.PROMPT_LOGPROB_IDS: prompt_ids, T.PROMPT_LOGPROB_VALUES: prompt_values}
+                   T.PROMPT_LOGPROB_IDS: prompt_ids, T.PROMPT_LOGPROB_VALUES: prompt_values,
+                   T.CACHED_TOKENS: [result.cached_tokens]}
         return pbutils.make_response(T.PREFILL, outputs, pbutils.requested_outputs(request))
 
     def _count_events(self) -> None:

@@ -88,6 +88,12 @@ class PdParams:
     max_queue: int = param(64, help="requests waiting for a worker before CapacityError")
     local_prefill_tokens: int = param(-1, help="prompts up to this long are prefilled by decode itself "
                                                "(-1 = the length decode measured, 0 = always hand off)")
+    prefill_slots: int = param(1, help="prompts sent to one prefill server at once, the rest waiting in pd "
+                                       "shortest first (its instance count; 0 = all at once, Triton's order)")
+    prefill_chunk: int = param(512, help="prompts longer than this go to prefill in chunks, other prompts "
+                                         "between them (needs prefill's prefix cache; 0 = whole prompts)")
+    prefill_aging: float = param(1000.0, help="prompt tokens a second of waiting for prefill is worth in "
+                                              "pd's shortest-first order (0 = by length alone)")
     local_prefill_when: str = param("busy", choices=("busy", "always"),
                                     help="busy: prefill a short prompt on decode when fewer prompt tokens "
                                          "wait there than for prefill; always: by length alone")

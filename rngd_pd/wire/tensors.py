@@ -57,6 +57,11 @@ REQUEST_KEY = "request_key"
 PROMPT_LEN = "prompt_len"
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
+# pd -> prefill: compute this prompt head's KV into prefill's prefix cache only, no token, no hand-off
+# (a long prompt goes as several requests, others between them: rngd_pd.engine.prefill_queue);
+# CACHED_TOKENS answers how many of its tokens the cache holds (0: no prefix cache there).
+CACHE_ONLY = "cache_only"
+CACHED_TOKENS = "cached_tokens"
 CANCEL = "cancel"
 # Conditional disaggregation: pd asks decode once for the prompt length up to which decode prefills
 # itself (DESCRIBE -> LOCAL_PREFILL_TOKENS), then sends such prompts' INPUT_IDS to decode directly.
@@ -225,10 +230,11 @@ PREPROCESS = ModelSpec(
 PREFILL = ModelSpec(
     "prefill",
     (_t(REQUEST_KEY, "BYTES", 1), _t(INPUT_IDS, "INT32", -1), *SAMPLER_INPUTS,
-     _t(WEIGHTS_OP, "BYTES", 1, optional=True)),
+     _t(WEIGHTS_OP, "BYTES", 1, optional=True), _t(CACHE_ONLY, "BOOL", 1, optional=True)),
     (_t(FIRST_TOKEN, "INT32", 1), _t(KV_HANDLE, "BYTES", 1), _t(WEIGHTS_STATE, "BYTES", 1),
      _t(FIRST_TOKENS, "INT32", -1), _t(TOKEN_LOGPROB_IDS, "INT32", -1), _t(TOKEN_LOGPROBS, "FP32", -1),
-     _t(PROMPT_LOGPROB_IDS, "INT32", -1), _t(PROMPT_LOGPROB_VALUES, "FP32", -1)),
+     _t(PROMPT_LOGPROB_IDS, "INT32", -1), _t(PROMPT_LOGPROB_VALUES, "FP32", -1),
+     _t(CACHED_TOKENS, "INT32", 1)),
     doc="token ids -> first token; pushes each layer's KV through the transport",
 )
 DECODE = ModelSpec(

@@ -8,7 +8,7 @@ other, with the same arrivals and prompts.
     python bench/goodput.py --workload summarize              # long prompts, short answers
     python bench/goodput.py --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
     python bench/goodput.py --systems pd --attach pd=http://127.0.0.1:9000   # a running front end
-    python bench/goodput.py --rescore runA,runB --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
+    python bench/goodput.py --rescore before=runA,after=runB --tpot-ms 150   # earlier runs, rescored
 
 A request meets the objective when it succeeds, its TTFT <= max(--ttft-ms, --ttft-ms-per-token x its
 prompt tokens) and its TPOT <= --tpot-ms. Attainment at a rate = the share of the run's requests that meet
@@ -369,8 +369,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     out = ROOT / "bench" / "out" / time.strftime("goodput-%Y%m%d-%H%M%S")
     ap.add_argument("--out", type=Path, default=out)
-    ap.add_argument("--rescore", type=lambda t: [Path(x) for x in t.split(",") if x], default=[],
-                    help="DIR,...: score earlier runs' points.jsonl against this objective (no servers)")
+    ap.add_argument("--rescore", type=lambda t: [x for x in t.split(",") if x], default=[],
+                    help="[LABEL=]DIR,...: score earlier runs' points.jsonl against this objective, each "
+                         "under LABEL (no servers)")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
     if set(a.systems) - set(SYSTEMS):
@@ -419,21 +420,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     (a.out / "goodput.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(points, a.attainment, title, a.out / "goodput.png")
     print(table(points, a.attainment))
-    log(f"wrote {a.out}/goodput.json, goodput.png, points.jsonl")
+    log(f"wrote {a.out}/goodput.json, goodput.png" + ("" if a.rescore else ", points.jsonl"))
     return 0
 
 
-def rescore(runs: Sequence[Path], objective: Objective) -> list[dict[str, Any]]:
-    """Every point of earlier runs (their points.jsonl: each request's TTFT and TPOT) scored against
-    `objective`; a point keeps its rate, wall time and load average. Attainment at the measured rates
-    only: bisection needs the servers, so the goodput of a rescored run is the highest rate measured."""
+def rescore(runs: Sequence[str], objective: Objective) -> list[dict[str, Any]]:
+    """Every point of earlier runs (`DIR` or `LABEL=DIR`: DIR/points.jsonl, each request's TTFT and
+    TPOT) scored against `objective`, under LABEL or the run's own system name; a point keeps its rate,
+    wall time and load average. Attainment at the measured rates only (bisection needs the servers)."""
     points = []
     for run in runs:
-        for line in (run / "points.jsonl").read_text().splitlines():
+        label, _, path = run.rpartition("=")
+        for line in (Path(path) / "points.jsonl").read_text().splitlines():
             row = json.loads(line)
             results = [load_gen.Result(**r) for r in row["results"]]
-            new = point_row(row["system"], row["rate"], results, row["wall_s"], objective)
-            points.append({**new, "loadavg_1m": row["loadavg_1m"], "run": str(run)})
+            new = point_row(label or row["system"], row["rate"], results, row["wall_s"], objective)
+            points.append({**new, "loadavg_1m": row["loadavg_1m"], "run": path})
     return points
 
 

@@ -132,8 +132,10 @@ def test_rescore_scores_earlier_runs_against_another_objective(tmp_path):
     assert row["attainment"] == round(1 / 3, 4)  # 1.5 s misses 1 s; 120 ms misses 100 ms
     (run / "points.jsonl").write_text(json.dumps({**row, "loadavg_1m": 0.7,
                                                   "results": [asdict(r) for r in results]}) + "\n")
-    (point,) = goodput.rescore([run], goodput.Objective(2000.0, 4.0, 150.0))
+    (point,) = goodput.rescore([str(run)], goodput.Objective(2000.0, 4.0, 150.0))
     assert point["attainment"] == 1.0 and point["loadavg_1m"] == 0.7 and point["wall_s"] == 12.0
+    assert point["system"] == "pd"
+    assert goodput.rescore([f"after={run}"], goodput.Objective())[0]["system"] == "after"
     out = tmp_path / "out"
     assert goodput.main(["--rescore", str(run), "--out", str(out), "--ttft-ms", "2000",
                          "--ttft-ms-per-token", "4", "--tpot-ms", "150"]) == 0

@@ -49,8 +49,9 @@ class DecodeParams(ServingParams):
     num_slots: int = param(8, help="concurrent decode streams per instance (continuous batching)")
     max_len: int = param(4096, help="longest prompt + max_tokens one slot holds")
     max_queue: int = param(64, help="requests waiting for a slot before CapacityError")
-    # It includes the time the request waits in prefill's queue, so it is generous; a prefill that fails
-    # makes pd cancel the decode request, which ends the wait at once.
+    # It includes the time the request's last prefill turn waits in Triton's queue of the prefill model (pd
+    # starts decode with that turn), so it is generous; a prefill that fails makes pd cancel the decode
+    # request, which ends the wait at once.
     kv_timeout_s: float = param(300.0, help="how long decode waits for a request's KV")
     # Off by default: on the 2-core hosts measured it did not pay (docs/benchmarks.md, "Conditional
     # disaggregation on the current code").

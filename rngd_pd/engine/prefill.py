@@ -146,9 +146,9 @@ class PrefillEngine:
         own = self._chunked_before(key)
         with self.runtime.inference():
             names = cache.hashes(ids)
-            cached, blocks = cache.match(ids, names, own, leave=0)
+            cached, blocks = cache.match(ids, names, own, leave=0)  # leave=0: every full block counts
             full = len(names) * cache.block
-            if cache.present(names) < full:
+            if cached < full:
                 tokens = self.runtime.tokens(ids[:full])
                 _, kv = self._chunked(tokens, self.chunk_size or full, None, cached, blocks)
                 cache.insert(ids[:full], kv, cached, names)

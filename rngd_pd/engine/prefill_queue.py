@@ -71,9 +71,7 @@ class PrefillQueue:
             except BaseException:
                 state.waiting.remove(entry)
                 heapq.heapify(state.waiting)
-                if not state.running and not state.waiting:
-                    del self._servers[server]
-                self._cond.notify_all()
+                self._changed(server, state)
                 raise
             heapq.heappop(state.waiting)
             state.running += 1
@@ -82,9 +80,14 @@ class PrefillQueue:
         finally:
             with self._cond:
                 state.running -= 1
-                if not state.running and not state.waiting:
-                    del self._servers[server]
-                self._cond.notify_all()
+                self._changed(server, state)
+
+    def _changed(self, server: str, state: _Server) -> None:
+        """A prompt left `server`'s queue or turn (under the condition): forget an idle server, wake
+        the waiters."""
+        if not state.running and not state.waiting:
+            del self._servers[server]
+        self._cond.notify_all()
 
     def depth(self) -> dict[str, tuple[int, int]]:
         """{server: (prompts running, prompts waiting)}, for metrics and tests."""

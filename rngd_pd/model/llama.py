@@ -499,17 +499,13 @@ def _attend_causal(q: Tensor, k: Tensor, v: Tensor, blocks: list[QueryBlock], sc
 def _attend_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal GQA attention of T queries after P = k.shape[1] - T past keys, by SDPA: q [H, T, hd],
     k/v [KVH, P+T, hd] -> [H, T, hd]. With torch 2.13 its CPU flash kernel beat the query blocks of
-    `_attend_causal` 2-4x in bf16 (1,536 tokens: 9.7 against 37.9 ms a layer on 2 threads; a 512-token
-    chunk after 1,024: 12.7 against 46.5 ms on 1; docs/model.md)."""
+    `_attend_causal` 2.1-4.2x in bf16 (docs/model.md, bench/prefill_attention.py)."""
     t, keys = q.shape[1], k.shape[1]
-    if keys == t:
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    else:  # query i sees the past and the chunk up to itself (is_causal aligns top-left: no past)
-        mask = torch.ones(t, keys, dtype=torch.bool, device=q.device).tril_(keys - t)
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    return o[0]
+    # is_causal aligns the diagonal top-left, right only without a past; after one, query i sees the
+    # past and the chunk up to itself
+    mask = None if keys == t else torch.ones(t, keys, dtype=torch.bool, device=q.device).tril_(keys - t)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=True)[0]
 
 
 def _slot_selector(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> slice | list[int]:

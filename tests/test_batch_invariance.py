@@ -185,6 +185,39 @@ def test_a_step_over_several_caches_gives_each_row_its_own_caches_bits(models, s
         assert all(torch.equal(x, y) for x, y in zip(c_f.k + c_f.v, c_a.k + c_a.v, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_decode_attention_gives_a_row_its_bits_alone_and_beside_longer_rows(dtype) -> None:
+    """The step's SDPA attention at the lengths the model's traces do not reach: a row alone over its
+    own keys rounded up to 16, and in a step of up to 16 rows whose longest has up to 1,500 keys (past
+    the kernel's 512-key blocks), in scattered or consecutive slots, on 1 and 2 threads: the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    kvh, g, hd, slots, max_len = 3, 3, 64, 16, 1600
+    ck = torch.randn(slots, kvh, max_len, hd, generator=gen).to(dtype)
+    cv = torch.randn(slots, kvh, max_len, hd, generator=gen).to(dtype)
+
+    def attend(q, sel, pos):
+        length = llama_mod._attention_length(max(pos) + 1)
+        mask = (torch.arange(length) <= torch.tensor(pos)[:, None]).view(len(pos), 1, 1, length)
+        return llama_mod._attend_sdpa(q, ck[sel, :, :length], cv[sel, :, :length], mask, hd**-0.5)
+
+    threads = torch.get_num_threads()
+    try:
+        for trial, n in enumerate((2, 3, 5, 8, 11, 16)):
+            pos = torch.randint(0, (40, 300, 700, 1500)[trial % 4], (n,), generator=gen).tolist()
+            pos[0] = (500, 1100, 1499)[trial % 3]  # one long row in every step
+            q = torch.randn(n, kvh, g, hd, generator=gen).to(dtype)
+            scattered = torch.randperm(slots, generator=gen)[:n].tolist()
+            for sel, where in ((scattered, scattered), (slice(0, n), list(range(n)))):
+                torch.set_num_threads(1 + trial % 2)
+                together = attend(q, sel, pos)
+                torch.set_num_threads(2 - trial % 2)
+                for i in range(n):
+                    alone = attend(q[i : i + 1], [where[i]], [pos[i]])
+                    assert torch.equal(alone[0], together[i]), f"{dtype} rows {n} row {i} at {pos[i]} keys"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rows_attend_in_groups_by_length_only_where_it_saves_keys() -> None:
     groups = llama_mod._length_groups
     assert groups([10, 200, 230]) == [None]  # under _SPLIT_KEYS keys: one group

@@ -261,13 +261,13 @@ def test_layer_and_head_graphs_compute_what_the_model_computes(smollm_bf16, monk
     got, kv = rngd_graphs.decode_chain(*_graphs(m, "decode", b=2, l=64), m.embed_tokens(step[0]), *step[1:],
                                        kv, weights, head_w)
     ref = m.decode_step(step[0], step[1], cache, step[2])
-    # decode_step runs oneDNN-packed projections on the CPU and attends over 16 keys, the graph F.linear
-    # over its whole bucket: the same model, not always the same bits
-    assert torch.allclose(got, ref, atol=0.1, rtol=0)
+    # decode_step runs oneDNN-packed projections on the CPU and attends by SDPA over 48 keys, the graph
+    # F.linear and matmuls over its whole bucket: the same model, not the same bits (measured 1 ulp of the
+    # largest logit, 4.5 of the K/V's largest value)
+    assert _ulps_apart(got, ref) <= 2
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     written = [t for pair in zip(cache.k, cache.v, strict=True) for t in pair]
-    assert all(torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.02)
-               for a, b in zip(kv, written, strict=True))
+    assert max(_ulps_apart(a, b) for a, b in zip(kv, written, strict=True)) <= 8
 
 
 def test_graphs_hold_no_weights_and_take_embedding_rows_from_the_host(smollm_bf16):

@@ -20,11 +20,13 @@ shape. Measured (torch 2.13, AVX-512 host, 1-8 threads; oneDNN also capped at AV
   `prepare_decode` (here w2: 2, the rest 1), so only a one-row step pays: one padding row in each
   down projection, ~0.3 ms of a 15-23 ms step.
 * Attention: a row attends over the longest length L of its group, masked (a step's rows attend per
-  cache, and within a cache in groups by length, `_length_groups`). The QK^T matmul gives a key
-  column other bits when it falls in the partial last column block, and the softmax other bits
-  below 16 keys (its vector width); so L is rounded up to a multiple of 16 (`_attention_length`,
-  zero keys past a short cache's end). The batched matmuls and the softmax do not depend on the
-  number of rows, nor on V being a strided view or a copy.
+  cache, and within a cache in groups by length, `_length_groups`), by torch's SDPA (its CPU flash
+  kernel reads the cache's strided views with no copy and splits work by row and head, never across
+  rows). A row's output has other bits when its length is not a multiple of 16 keys and the group's L
+  is longer (the kernel's vector blocks then cut its keys elsewhere); so L is rounded up to a multiple
+  of 16 (`_attention_length`, zero keys past a short cache's end). Measured: the same bits for every
+  row count, neighbour, L up to 1,500 keys (across the kernel's 512-key blocks) and thread count
+  (tests/test_batch_invariance.py).
 * Embedding, norms, RoPE, SwiGLU and the K/V writes are row-wise and exact whatever the batch.
 
 Prefill is not involved: it runs one prompt at a time and never shares a kernel call with others.
@@ -357,14 +359,12 @@ class Llama(nn.Module):
         return out
 
     def _attend_group(self, ck: Tensor, cv: Tensor, g: _AttnGroup, qg: Tensor) -> Tensor:
-        # K is read transposed: copy its visible rows once (a plain row copy) rather than let
-        # the bf16 bmm copy a strided, transposed view (measured 2-3x slower at B=16).
-        kk = ck[g.sel, :, : g.cached].to(self.dtype).contiguous()  # [n, KVH, L, hd]
-        vv = cv[g.sel, :, : g.cached].to(self.dtype)  # a strided view is as fast as a copy here
-        if g.cached < g.length:  # (the products with a strided V or a copy of it are the same bits)
+        kk = ck[g.sel, :, : g.cached].to(self.dtype)  # views unless slots are scattered or dtypes differ
+        vv = cv[g.sel, :, : g.cached].to(self.dtype)
+        if g.cached < g.length:
             pad = g.length - g.cached
             kk, vv = F.pad(kk, (0, 0, 0, pad)), F.pad(vv, (0, 0, 0, pad))
-        return _attend(qg, kk, vv, g.bias, self.config.head_dim**-0.5)
+        return _attend_sdpa(qg, kk, vv, g.mask, self.config.head_dim**-0.5)
 
 
 StepPart = tuple[KVCache, Tensor]
@@ -384,8 +384,7 @@ class _AttnGroup:
         self.length = _attention_length(max(pos) + 1)
         self.cached = min(self.length, cache.max_len)  # a cache shorter than that: the rest is zeros
         seen = torch.arange(self.length, device=device) <= positions[:, None]  # [n, L] cached, visible
-        self.bias = torch.zeros(n, 1, 1, self.length, device=device).masked_fill_(
-            ~seen.view(n, 1, 1, self.length), float("-inf"))
+        self.mask = seen.view(n, 1, 1, self.length)
 
 
 class _PartView:
@@ -452,13 +451,21 @@ def _attention_length(n: int) -> int:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """Decode attention as two batched matmuls; softmax in fp32 with an additive length mask.
-
-    For a handful of query rows per KV head this beats SDPA's CPU kernels (measured: ~3x in bf16).
-    q [B, KVH, G, hd], k/v [B, KVH, L, hd], bias [B, 1, 1, L] -> [B, KVH, G, hd].
-    """
+    """Decode attention as two batched matmuls, softmax in fp32 with an additive length mask: the
+    form the RNGD graphs lower (rngd.graphs); the eager step uses `_attend_sdpa`.
+    q [B, KVH, G, hd], k/v [B, KVH, L, hd], bias [B, 1, 1, L] -> [B, KVH, G, hd]."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
     return torch.matmul(torch.softmax(scores + bias, dim=-1).to(v.dtype), v)
+
+
+def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Decode attention by SDPA over the cache's views: q [B, KVH, G, hd], k/v [B, KVH, L, hd], mask
+    [B, 1, 1, L] (True: attend) -> [B, KVH, G, hd]. With torch 2.13 on the CPU 1.5-5x faster than
+    `_attend`, which needs a copy of K (docs/model.md, bench/decode_attention.py)."""
+    b, kvh, g, hd = q.shape
+    out = F.scaled_dot_product_attention(q.reshape(b, kvh * g, 1, hd), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.view(b, kvh, g, hd)
 
 
 QueryBlock = tuple[int, int, Tensor]

@@ -1,0 +1,96 @@
+"""Decode attention on this CPU: torch's SDPA over the cache's views (what `Llama.decode_step` runs)
+against two batched matmuls over a copy of K (`_attend`, what the step ran before and the RNGD graphs
+lower), per layer of SmolLM2's shape.
+
+    python bench/decode_attention.py                       # bf16, 1 and 2 threads
+    python bench/decode_attention.py --dtype fp32 --threads 2 --json out.json
+
+Shapes: 1 / 8 / 16 rows of one step, in consecutive slots of a 16-slot cache of 2,048 positions,
+all attending over 320 / 1,056 / 1,600 keys. Each candidate runs interleaved with the other, its best
+of --repeat kept; the table gives both, their ratio, and the largest difference of their outputs.
+A speed run runs alone: record the load average beside it (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.prefill_attention import best_ms  # noqa: E402
+from rngd_pd.model.llama import _attend, _attend_sdpa  # noqa: E402
+
+ROWS = (1, 8, 16)
+KEYS = (320, 1056, 1600)
+SLOTS, MAX_LEN = 16, 2048
+
+
+def matmuls(ck: torch.Tensor, cv: torch.Tensor, qg: torch.Tensor, bias: torch.Tensor, n: int, keys: int,
+            scale: float) -> torch.Tensor:
+    """The step before SDPA: K's visible rows copied (a transposed strided K made bmm slower still)."""
+    return _attend(qg, ck[:n, :, :keys].contiguous(), cv[:n, :, :keys], bias, scale)
+
+
+def sdpa(ck: torch.Tensor, cv: torch.Tensor, qg: torch.Tensor, mask: torch.Tensor, n: int, keys: int,
+         scale: float) -> torch.Tensor:
+    return _attend_sdpa(qg, ck[:n, :, :keys], cv[:n, :, :keys], mask, scale)
+
+
+def measure(dtype: torch.dtype, threads: int, repeat: int, heads: int = 9, kv_heads: int = 3,
+            head_dim: int = 64) -> list[dict]:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    ck = torch.randn(SLOTS, kv_heads, MAX_LEN, head_dim).to(dtype)
+    cv = torch.randn(SLOTS, kv_heads, MAX_LEN, head_dim).to(dtype)
+    scale, rows = head_dim**-0.5, []
+    for n in ROWS:
+        for keys in KEYS:
+            qg = torch.randn(n, kv_heads, heads // kv_heads, head_dim).to(dtype)
+            seen = torch.arange(keys) <= torch.arange(keys - n, keys)[:, None]  # ragged rows, the longest L
+            mask = seen.view(n, 1, 1, keys)
+            bias = torch.zeros(n, 1, 1, keys).masked_fill_(~mask, float("-inf"))
+            new = functools.partial(sdpa, ck, cv, qg, mask, n, keys, scale)
+            old = functools.partial(matmuls, ck, cv, qg, bias, n, keys, scale)
+            with torch.inference_mode():
+                t_new, t_old = best_ms([new, old], repeat)
+                diff = float((new().float() - old().float()).abs().max())
+            rows.append({"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "threads": threads,
+                         "rows": n, "keys": keys, "sdpa_ms": round(t_new, 3), "matmuls_ms": round(t_old, 3),
+                         "matmuls_over_sdpa": round(t_old / t_new, 2), "max_abs_diff": diff})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    load = os.getloadavg()[0]
+    rows = [r for n in a.threads.split(",") for r in measure(dtype, int(n), a.repeat)]
+    print(f"decode attention per layer (9 heads, 3 KV heads, head_dim 64, cache of {SLOTS} x {MAX_LEN}), "
+          f"torch {torch.__version__}, load average {load:.2f}")
+    print("| dtype | threads | rows | keys | SDPA ms | matmuls ms | matmuls / SDPA | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['threads']} | {r['rows']} | {r['keys']} | {r['sdpa_ms']} | "
+              f"{r['matmuls_ms']} | {r['matmuls_over_sdpa']} | {r['max_abs_diff']:.4g} |")
+    if a.json:
+        report = {"loadavg_1m": load, "torch": torch.__version__, "rows": rows}
+        a.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

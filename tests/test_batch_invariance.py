@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -195,10 +196,11 @@ def test_decode_attention_gives_a_row_its_bits_alone_and_beside_longer_rows(dtyp
     ck = torch.randn(slots, kvh, max_len, hd, generator=gen).to(dtype)
     cv = torch.randn(slots, kvh, max_len, hd, generator=gen).to(dtype)
 
-    def attend(q, sel, pos):
-        length = llama_mod._attention_length(max(pos) + 1)
-        mask = (torch.arange(length) <= torch.tensor(pos)[:, None]).view(len(pos), 1, 1, length)
-        return llama_mod._attend_sdpa(q, ck[sel, :, :length], cv[sel, :, :length], mask, hd**-0.5)
+    cache = types.SimpleNamespace(num_slots=slots, max_len=max_len)
+
+    def attend(q, where, pos):  # what the step runs: one SDPA per run of consecutive slots
+        group = llama_mod._AttnGroup(cache, None, where, pos, torch.tensor(pos), torch.device("cpu"))
+        return llama_mod._attend_runs(ck, cv, group, q, dtype, hd**-0.5)
 
     threads = torch.get_num_threads()
     try:
@@ -207,9 +209,9 @@ def test_decode_attention_gives_a_row_its_bits_alone_and_beside_longer_rows(dtyp
             pos[0] = (500, 1100, 1499)[trial % 3]  # one long row in every step
             q = torch.randn(n, kvh, g, hd, generator=gen).to(dtype)
             scattered = torch.randperm(slots, generator=gen)[:n].tolist()
-            for sel, where in ((scattered, scattered), (slice(0, n), list(range(n)))):
+            for where in (scattered, list(range(n))):
                 torch.set_num_threads(1 + trial % 2)
-                together = attend(q, sel, pos)
+                together = attend(q, where, pos)
                 torch.set_num_threads(2 - trial % 2)
                 for i in range(n):
                     alone = attend(q[i : i + 1], [where[i]], [pos[i]])

@@ -20,9 +20,9 @@ shape. Measured (torch 2.13, AVX-512 host, 1-8 threads; oneDNN also capped at AV
   `prepare_decode` (here w2: 2, the rest 1), so only a one-row step pays: one padding row in each
   down projection, ~0.3 ms of a 15-23 ms step.
 * Attention: a row attends over the longest length L of its group, masked (a step's rows attend per
-  cache, and within a cache in groups by length, `_length_groups`), by torch's SDPA (its CPU flash
-  kernel reads the cache's strided views with no copy and splits work by row and head, never across
-  rows). A row's output has other bits when its length is not a multiple of 16 keys and the group's L
+  cache, and within a cache in groups by length, `_length_groups`), by torch's SDPA, one call per run
+  of consecutive slots (its CPU flash kernel reads the cache's strided views with no copy and splits
+  work by row and head, never across rows). A row's output has other bits when its length is not a multiple of 16 keys and the group's L
   is longer (the kernel's vector blocks then cut its keys elsewhere); so L is rounded up to a multiple
   of 16 (`_attention_length`, zero keys past a short cache's end). Measured: the same bits for every
   row count, neighbour, L up to 1,500 keys (across the kernel's 512-key blocks) and thread count
@@ -359,12 +359,7 @@ class Llama(nn.Module):
         return out
 
     def _attend_group(self, ck: Tensor, cv: Tensor, g: _AttnGroup, qg: Tensor) -> Tensor:
-        kk = ck[g.sel, :, : g.cached].to(self.dtype)  # views unless slots are scattered or dtypes differ
-        vv = cv[g.sel, :, : g.cached].to(self.dtype)
-        if g.cached < g.length:
-            pad = g.length - g.cached
-            kk, vv = F.pad(kk, (0, 0, 0, pad)), F.pad(vv, (0, 0, 0, pad))
-        return _attend_sdpa(qg, kk, vv, g.mask, self.config.head_dim**-0.5)
+        return _attend_runs(ck, cv, g, qg, self.dtype, self.config.head_dim**-0.5)
 
 
 StepPart = tuple[KVCache, Tensor]
@@ -380,7 +375,8 @@ class _AttnGroup:
         if index is not None:
             slots, pos, positions = [slots[i] for i in index], [pos[i] for i in index], positions[self.index]
         n = len(pos)
-        self.sel = _slot_selector(slots, n, cache, pos)
+        _check_rows(slots, n, cache, pos)
+        self.runs = _slot_runs(slots)
         self.length = _attention_length(max(pos) + 1)
         self.cached = min(self.length, cache.max_len)  # a cache shorter than that: the rest is zeros
         seen = torch.arange(self.length, device=device) <= positions[:, None]  # [n, L] cached, visible
@@ -396,7 +392,7 @@ class _PartView:
         self.cache, self.slots, self.positions = cache, slots, positions
         self.rows = slice(start, start + n)
         host_slots = slots.tolist()
-        _slot_selector(host_slots, n, cache, pos)
+        _check_rows(host_slots, n, cache, pos)
         self.max_pos = max(pos)
         self.groups = [_AttnGroup(cache, index, host_slots, pos, positions, device)
                        for index in _length_groups(pos)]
@@ -468,6 +464,22 @@ def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) ->
     return out.view(b, kvh, g, hd)
 
 
+def _attend_runs(ck: Tensor, cv: Tensor, g: _AttnGroup, qg: Tensor, dtype: torch.dtype,
+                 scale: float) -> Tensor:
+    """A group's attention, one SDPA per run of consecutive slots over views of the cache layer ck/cv:
+    qg [n, KVH, G, hd] -> [n, KVH, G, hd]. A gather of scattered slots copied their K/V every layer,
+    1.5-6x slower (bench/decode_attention.py)."""
+    outs = []
+    for rows, slots in g.runs:
+        kk = ck[slots, :, : g.cached].to(dtype)  # views unless the dtypes differ
+        vv = cv[slots, :, : g.cached].to(dtype)
+        if g.cached < g.length:
+            pad = g.length - g.cached
+            kk, vv = F.pad(kk, (0, 0, 0, pad)), F.pad(vv, (0, 0, 0, pad))
+        outs.append(_attend_sdpa(qg[rows], kk, vv, g.mask[rows], scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 QueryBlock = tuple[int, int, Tensor]
 _BLOCK_ROWS = 128  # query rows per attention block: measured best of 64/128/256/512 here
 
@@ -515,8 +527,19 @@ def _attend_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor
                                           scale=scale, enable_gqa=True)[0]
 
 
-def _slot_selector(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> slice | list[int]:
-    """Validate a step's rows; a run of consecutive slots is read as a view (no gather copy)."""
+def _slot_runs(slots: list[int]) -> list[tuple[slice, slice]]:
+    """(rows, slots) of each run of consecutive slots, in row order: each reads the cache as a view.
+    A row's bits do not depend on the other rows of its SDPA call (module docstring)."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((slice(start, i), slice(slots[start], slots[i - 1] + 1)))
+            start = i
+    return runs
+
+
+def _check_rows(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> None:
+    """ConfigError unless b rows have b distinct slots and positions that fit the cache."""
     if b < 1:
         raise ConfigError("decode_step needs at least one row")
     if len(slots) != b or len(pos) != b:
@@ -525,6 +548,3 @@ def _slot_selector(slots: list[int], b: int, cache: KVCache, pos: list[int]) -> 
         raise ConfigError(f"slots {slots} must be distinct and in [0, {cache.num_slots})")
     if min(pos) < 0 or max(pos) >= cache.max_len:
         raise ConfigError(f"positions {pos} must be in [0, cache max_len {cache.max_len})")
-    if slots == list(range(slots[0], slots[0] + b)):
-        return slice(slots[0], slots[0] + b)
-    return slots

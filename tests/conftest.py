@@ -19,6 +19,10 @@ os.environ.setdefault("RNGD_PD_DTYPE", "fp32")
 # prefill them itself): the transport is what most e2e tests check. test_e2e_local_prefill turns
 # conditional disaggregation on.
 os.environ.setdefault("RNGD_PD_PARAM_LOCAL_PREFILL_TOKENS", "0")
+# Servers that tests start keep 8 decode slots, the concurrency their tests were written for; the
+# sizing at load (num_slots 0, the served default) is tests/test_capacity.py's and
+# test_e2e_pd.py::test_the_server_unloads_pd_promptly_after_traffic's.
+os.environ.setdefault("RNGD_PD_PARAM_NUM_SLOTS", "8")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -352,7 +353,8 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
     log = tmp_path / "tritonserver.log"
     # 30 s: a hang outlives any exit timeout, but unloading six torch models on a loaded 2-core host
     # took 11-12 s (every model had let go; the last ones were still freeing their weights)
-    cfg = ServerConfig(Path(E.REPOSITORY), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=env,
+    sized = {**env, "RNGD_PD_PARAM_NUM_SLOTS": "0"}  # decode sizes its slots at load, as served
+    cfg = ServerConfig(Path(E.REPOSITORY), "cpu", http_port=0, grpc_port=0, metrics_port=0, env=sized,
                        exit_timeout_s=30)
     with TritonServer(cfg, log=log) as s:
         s.wait_ready(600)
@@ -369,6 +371,7 @@ def test_the_server_unloads_pd_promptly_after_traffic(tmp_path: Path, env: dict[
         took = time.monotonic() - t0
     text = log.read_text(errors="replace")
     assert "unloaded 'pd'" in text and "Exit timeout expired" not in text, text[-3000:]
+    assert re.search(r"decode_0_0: \d+ slots: KV memory for \d+ \(\d+ MiB each", text), text[-3000:]
     assert took < cfg.exit_timeout_s, took
 
 
@@ -394,8 +397,12 @@ def _load_gauges(server) -> dict[str, float]:
 
 
 def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
-    """The gauges the chart's EPP reads, scraped from the running server while 12 requests share 8
-    decode slots."""
+    """The gauges the chart's EPP reads, scraped from the running server while 4 more requests than
+    decode has slots (sized at load: the count its log gives) share them."""
+    sized = re.search(r"decode_0_0: (\d+) slots: ", server.log_tail(100_000))
+    assert sized, "decode logs the slots it sized at load"
+    slots = int(sized.group(1))
+    assert 1 <= slots <= 16
     ids = E.prompt_ids(E.PROMPTS[1])
     deadline = time.monotonic() + 30
     while any(_load_gauges(server).values()) and time.monotonic() < deadline:
@@ -403,7 +410,7 @@ def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
     assert not any(_load_gauges(server).values())
     threads = [threading.Thread(target=E.stream_infer, args=(server.grpc_url, "pd",
                                 E.pd_inputs(ids, max_tokens=48), PD_OUT), kwargs={"timeout": 300})
-               for _ in range(12)]  # 12 decode requests for 8 slots: 4 wait
+               for _ in range(slots + 4)]  # 4 wait
     for t in threads:
         t.start()
     peak = dict.fromkeys(EPP_GAUGES, 0.0)
@@ -414,7 +421,7 @@ def test_the_endpoint_pickers_gauges_move_under_load(server) -> None:
         time.sleep(0.2)
     for t in threads:
         t.join()
-    assert peak["queued"] >= 1 and 1 <= peak["running"] <= 8, peak
+    assert peak["queued"] >= 1 and 1 <= peak["running"] <= slots, peak
     assert 0 < peak["kvUsage"] <= 1.0, peak
     deadline = time.monotonic() + 10
     while any(_load_gauges(server).values()) and time.monotonic() < deadline:

@@ -26,6 +26,7 @@ from typing import Any
 
 from rngd_pd import errors
 from rngd_pd.devices.torch_runtime import as_runtime
+from rngd_pd.engine.capacity import Capacity, size_slots
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.local_prefill import Threshold, measure
 from rngd_pd.engine.prefill import PrefillEngine
@@ -72,9 +73,11 @@ class DecodeService:
 
     def __init__(self, loaded: Any, transport: Any, kv_dtype: str = "bf16", num_slots: int = 8,
                  max_len: int = 4096, max_queue: int = 64, kv_timeout_s: float = 60.0,
-                 on_kv: Callable[[float], None] | None = None, local_prefill_tokens: int = 0) -> None:
+                 on_kv: Callable[[float], None] | None = None, local_prefill_tokens: int = 0,
+                 step_target_ms: float = 100.0, kv_cache_mb: int = 0) -> None:
         """local_prefill_tokens: the prompt length up to which pd should send prompts here to be
-        prefilled locally (-1: measure it now, rngd_pd.engine.local_prefill; 0: never)."""
+        prefilled locally (-1: measure it now, rngd_pd.engine.local_prefill; 0: never). num_slots 0:
+        sized now from the step time and the memory (rngd_pd.engine.capacity)."""
 
         runtime = as_runtime(loaded)  # loading.load_for's DeviceRuntime, or a LoadedModel for the CPU
         loaded = runtime.loaded
@@ -82,6 +85,12 @@ class DecodeService:
         self.loaded, self.transport = loaded, transport
         spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
+        if num_slots == 0:
+            self.capacity = size_slots(runtime, min(max_len, c.max_context), kv_dtype, step_target_ms,
+                                       kv_cache_mb)
+            num_slots = self.capacity.slots
+        else:
+            self.capacity = Capacity(num_slots, num_slots, num_slots, f"{num_slots} slots: set by num_slots")
         self.engine = DecodeEngine(runtime, num_slots, max_len, kv_dtype, max_queue,
                                    loader_threads=num_slots)
         self._local_lock = threading.Lock()  # one local prefill at a time: they share the cores
@@ -225,7 +234,9 @@ class DecodeModel:
         self.service = DecodeService(runtime, transport_for(p), p.kv_dtype,
                                      p.num_slots, p.max_len, p.max_queue, p.kv_timeout_s,
                                      on_kv=lambda s: self.metrics.record_kv_transfer(s, p.kv_transport),
-                                     local_prefill_tokens=p.local_prefill_tokens)
+                                     local_prefill_tokens=p.local_prefill_tokens,
+                                     step_target_ms=p.step_target_ms, kv_cache_mb=p.kv_cache_mb)
+        pbutils.log(f"{args.get('model_instance_name', name)}: {self.service.capacity.reason}")
         t = self.service.threshold
         pbutils.log(f"{args.get('model_instance_name', name)}: prompts up to {t.tokens} tokens are prefilled "
                     f"here when pd sends them ({t.reason})")

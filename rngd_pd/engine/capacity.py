@@ -6,9 +6,10 @@ longer, so every stream's time per output token). So the count is the smallest o
 * by memory: the KV budget (`kv_cache_mb`, or a quarter of the memory free at load, as vLLM sizes
   its KV cache from a share of what the device has) over one slot's KV in every bucket;
 * by step time: the most rows whose decode step takes at most `step_target_ms`: measured now at
-  `PROBE_ROWS` rows, every row at `PROBE_POSITION` tokens, on this instance's own share of the cores
-  (what it keeps while prefill computes beside it), and linear between them (a step reads the weights
-  once and adds each row's attention; three probes keep the load under a second here);
+  `PROBE_ROWS` rows, every row at `PROBE_POSITION` tokens, on the cores decode computes on while the
+  host's other instances are idle (all of a decode host's; on a host it shares with prefill, steps
+  taken while prefill computes are slower), and linear between them (a step reads the weights once
+  and adds each row's attention; three probes keep the load under a second here);
 * `MOST_SLOTS`: batch invariance is checked up to that many rows (rngd_pd.model.llama), and an
   explicit `num_slots` is the way past it.
 
@@ -18,6 +19,7 @@ needs `num_slots` to name the widths its graphs are built for.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,26 +55,45 @@ def slot_bytes(runtime: DeviceRuntime, max_len: int, kv_dtype: Any) -> int:
 
 
 def time_steps(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, position: int = PROBE_POSITION,
-               repeat: int = 3) -> dict[int, float]:
-    """Median ms of one decode step of each row count, every row at `position`, on a scratch cache, on
-    the calling thread (any thread but the engine's scheduler computes on the instance's share of the
-    cores: rngd_pd.devices.cores)."""
+               repeat: int = 5) -> dict[int, float]:
+    """Fastest ms of `repeat` decode steps of each row count (the other instances may be loading now:
+    their work is not the step's), every row at `position`, on a scratch cache, on a thread of its own
+    bound as the runtime's compute thread: the cores decode computes on while the host's other
+    instances are idle (rngd_pd.devices.cores; its threads go with it, and the engine's scheduler
+    binds itself when it starts)."""
+    out: dict[int, float] = {}
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.compute_thread()
+            out.update(_time_steps_here(runtime, rows, kv_dtype, position, repeat))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="decode-capacity")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out
+
+
+def _time_steps_here(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, position: int,
+                     repeat: int) -> dict[int, float]:
     most = max(rows)
     cache = runtime.new_cache(most, position + 1, kv_dtype)
     host, index = runtime.step_buffers(most)
-    out = {}
+    best = dict.fromkeys(rows, float("inf"))
     with runtime.inference():
-        for n in rows:
-            host[0, :n], host[1, :n], host[2, :n] = 1, position, range(n)
-            parts = [(cache, index[2, :n])]
-            times = []
-            for i in range(repeat + 1):  # the first one warms up (and packs the weights once)
+        for i in range(repeat + 1):  # the row counts take turns, so a busy moment costs each one sample
+            for n in rows:
+                host[0, :n], host[1, :n], host[2, :n] = 1, position, range(n)
                 t0 = time.perf_counter()
-                runtime.decode_step_parts(index[0, :n], index[1, :n], parts)
-                if i:
-                    times.append(time.perf_counter() - t0)
-            out[n] = sorted(times)[len(times) // 2] * 1000
-    return out
+                runtime.decode_step_parts(index[0, :n], index[1, :n], [(cache, index[2, :n])])
+                if i:  # the first round warms up (and packs the weights once)
+                    best[n] = min(best[n], time.perf_counter() - t0)
+    return {n: t * 1000 for n, t in best.items()}
 
 
 def size_slots(runtime: DeviceRuntime, max_len: int, kv_dtype: Any, step_target_ms: float,
@@ -97,8 +118,9 @@ def size_slots(runtime: DeviceRuntime, max_len: int, kv_dtype: Any, step_target_
     step = (f"step time for {by_step} ({row_ms(step_ms, by_step):.0f} ms a step, target {step_target_ms:g})"
             if step_ms[min(step_ms)] <= step_target_ms else
             f"step time for 1 (even 1 row takes {step_ms[min(step_ms)]:.0f} ms, target {step_target_ms:g})")
+    probed = ", ".join(f"{n}: {ms:.0f}" for n, ms in sorted(step_ms.items()))
     reason = (f"{slots} slots: KV memory for {by_memory} ({per_slot >> 20} MiB each, {budget >> 20} MiB "
-              f"budget), {step}, at most {MOST_SLOTS}")
+              f"budget), {step}, at most {MOST_SLOTS} (ms a step by rows: {probed})")
     return Capacity(slots, by_memory, by_step, reason, step_ms)
 
 

@@ -22,11 +22,11 @@ shape. Measured (torch 2.13, AVX-512 host, 1-8 threads; oneDNN also capped at AV
 * Attention: a row attends over the longest length L of its group, masked (a step's rows attend per
   cache, and within a cache in groups by length, `_length_groups`), by torch's SDPA, one call per run
   of consecutive slots (its CPU flash kernel reads the cache's strided views with no copy and splits
-  work by row and head, never across rows). A row's output has other bits when its length is not a multiple of 16 keys and the group's L
-  is longer (the kernel's vector blocks then cut its keys elsewhere); so L is rounded up to a multiple
-  of 16 (`_attention_length`, zero keys past a short cache's end). Measured: the same bits for every
-  row count, neighbour, L up to 1,500 keys (across the kernel's 512-key blocks) and thread count
-  (tests/test_batch_invariance.py).
+  work by row and head, never across rows). A row's output has other bits when its length is not a
+  multiple of 16 keys and the group's L is longer (the kernel's vector blocks then cut its keys
+  elsewhere); so L is rounded up to a multiple of 16 (`_attention_length`, zero keys past a short
+  cache's end). Measured: the same bits for every row count, neighbour, L up to 1,500 keys (across
+  the kernel's 512-key blocks) and thread count (tests/test_batch_invariance.py).
 * Embedding, norms, RoPE, SwiGLU and the K/V writes are row-wise and exact whatever the batch.
 
 Prefill is not involved: it runs one prompt at a time and never shares a kernel call with others.

@@ -49,8 +49,8 @@ class DecodeParams(ServingParams):
     num_slots: int = param(0, help="concurrent decode streams per instance (continuous batching); 0 = sized "
                                    "at load from the measured step time and the free memory (at most 16)")
     step_target_ms: float = param(100.0, help="num_slots 0: the most rows whose decode step, measured at "
-                                               "load on this instance's share of the cores, takes at most "
-                                               "this long")
+                                               "load on the cores decode gets while the other instances "
+                                               "are idle, takes at most this long")
     kv_cache_mb: int = param(0, help="num_slots 0: memory for decode's KV cache (0 = a quarter of the "
                                      "memory free at load)")
     max_len: int = param(4096, help="longest prompt + max_tokens one slot holds")

@@ -29,7 +29,8 @@ inputs and outputs, no module state; the embedding lookup stays on the host (`em
   L, head_dim] (a static cache of B slots of L positions), the layer's weights -> (x, K, V updated).
   The blocks of `Llama.decode_step` (projections, RoPE, attention, SwiGLU) without its host-side
   work (`.tolist()`, packed oneDNN weights, zero-padded rows), attending over the whole bucket under
-  the positions' mask by `_attend`'s matmuls (the eager step's SDPA is not an op this compiler lowers). `decode_head_b<B>`: x [B, hidden], norm, lm_head -> fp32 logits [B, vocab].
+  the positions' mask by `_attend`'s matmuls (the eager step's SDPA is not an op this compiler
+  lowers). `decode_head_b<B>`: x [B, hidden], norm, lm_head -> fp32 logits [B, vocab].
 
 Each graph goes through furiosa's own preprocessing (`preprocess_exported_program`: its 802
 decomposition rules; torch's `run_decompositions()` would give aten.addmm, which the DFG importer

@@ -1,5 +1,5 @@
-"""e2e: `rngd-pd swap` reloads decode as another variant (num_slots 8 -> 16) on a running server in
-explicit model-control mode, under 8 streams: pd holds new requests while running ones finish and
+"""e2e: `rngd-pd swap` reloads decode as another variant (num_slots sized at load -> 16) on a running
+server in explicit model-control mode, under 8 streams: pd holds new requests while running ones finish and
 Triton reloads (2.51 can crash reloading a model with requests in flight, server issue #7723), no
 request fails, every request's tokens are the reference's (a fresh server's: decode is
 batch-invariant, so any variant gives them), the new instance maps the weights from the store instead
@@ -49,7 +49,8 @@ def _one_new_stub(server_pid: int, model: str, old: int, timeout_s: float = 120.
 # A swap starts two stub processes one after the other (Triton's config completion, then the
 # instance): on this 2-core host under other sessions' load (load average 17-47) that took 6 min.
 @pytest.mark.timeout(1800)
-def test_a_decode_swap_under_8_streams_fails_nothing() -> None:
+def test_a_decode_swap_under_8_streams_fails_nothing(monkeypatch) -> None:
+    monkeypatch.delenv("RNGD_PD_PARAM_NUM_SLOTS", raising=False)  # conftest's pin would beat the variant's
     refs = {t: list(E.reference(t, TOKENS)[0]) for t in PROMPTS}
     store = f"/dev/shm/rngd-pd-e2e-weights-{uuid.uuid4().hex[:8]}"
     kv = tempfile.mkdtemp(prefix="rngd-pd-e2e-shm-", dir="/dev/shm")

@@ -56,3 +56,13 @@ def test_sizing_errors_name_the_fix(smollm) -> None:
     compiled = types.SimpleNamespace(device=types.SimpleNamespace(kind="atom"))
     with pytest.raises(ConfigError, match="on atom set num_slots"):
         capacity.size_slots(compiled, 4096, "bf16", step_target_ms=100.0)
+
+
+def test_a_set_count_is_kept_and_zero_is_sized_within_the_models_context(smollm) -> None:
+    runtime = as_runtime(smollm)
+    kept = capacity.decode_slots(runtime, 5, 4096, "bf16", step_target_ms=100.0)
+    assert (kept.slots, kept.reason) == (5, "5 slots: set by num_slots")
+    longest = smollm.config.max_context
+    sized = capacity.decode_slots(runtime, 0, longest * 4, "bf16", step_target_ms=1e9, kv_cache_mb=1 << 20)
+    per_slot = capacity.slot_bytes(runtime, longest, "bf16")
+    assert sized.slots == capacity.MOST_SLOTS and f"({per_slot >> 20} MiB each" in sized.reason

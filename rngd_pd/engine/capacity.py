@@ -19,13 +19,16 @@ needs `num_slots` to name the widths its graphs are built for.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rngd_pd.config.dtypes import lookup
+from rngd_pd.devices.kernels import cache_path
 from rngd_pd.devices.runtime import DeviceRuntime, plan_buckets
 from rngd_pd.errors import ConfigError
 
@@ -72,11 +75,28 @@ def time_steps(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, posit
             failed.append(exc)
 
     thread = threading.Thread(target=run, name="decode-capacity")
-    thread.start()
-    thread.join()
+    with _host_turn():
+        thread.start()
+        thread.join()
     if failed:
         raise failed[0]
     return out
+
+
+@contextlib.contextmanager
+def _host_turn() -> Iterator[None]:
+    """One instance of this host times its steps at a time (decode and colocated load together, and
+    two timing at once measured 4-6 slots where one alone measured 15-16); no lock file, no turns."""
+    try:
+        path = cache_path().with_name("capacity.lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")  # noqa: SIM115 - held for the block below
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _time_steps_here(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, position: int,
@@ -122,6 +142,15 @@ def size_slots(runtime: DeviceRuntime, max_len: int, kv_dtype: Any, step_target_
     reason = (f"{slots} slots: KV memory for {by_memory} ({per_slot >> 20} MiB each, {budget >> 20} MiB "
               f"budget), {step}, at most {MOST_SLOTS} (ms a step by rows: {probed})")
     return Capacity(slots, by_memory, by_step, reason, step_ms)
+
+
+def decode_slots(runtime: DeviceRuntime, num_slots: int, max_len: int, kv_dtype: Any,
+                 step_target_ms: float, kv_cache_mb: int = 0) -> Capacity:
+    """`num_slots` as given, or sized now when it is 0 (what decode and colocated call at load)."""
+    if num_slots:
+        return Capacity(num_slots, num_slots, num_slots, f"{num_slots} slots: set by num_slots")
+    max_len = min(max_len, runtime.loaded.config.max_context)
+    return size_slots(runtime, max_len, kv_dtype, step_target_ms, kv_cache_mb)
 
 
 def row_ms(step_ms: dict[int, float], rows: int) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 
 from rngd_pd import errors
 from rngd_pd.devices.torch_runtime import as_runtime
-from rngd_pd.engine.capacity import Capacity, size_slots
+from rngd_pd.engine.capacity import decode_slots
 from rngd_pd.engine.decode import DecodeEngine
 from rngd_pd.engine.local_prefill import Threshold, measure
 from rngd_pd.engine.prefill import PrefillEngine
@@ -85,12 +85,8 @@ class DecodeService:
         self.loaded, self.transport = loaded, transport
         spec = KVSpec(loaded.fingerprint, c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         self.receiver = KVReceiver(transport, spec, timeout_s=kv_timeout_s)
-        if num_slots == 0:
-            self.capacity = size_slots(runtime, min(max_len, c.max_context), kv_dtype, step_target_ms,
-                                       kv_cache_mb)
-            num_slots = self.capacity.slots
-        else:
-            self.capacity = Capacity(num_slots, num_slots, num_slots, f"{num_slots} slots: set by num_slots")
+        self.capacity = decode_slots(runtime, num_slots, max_len, kv_dtype, step_target_ms, kv_cache_mb)
+        num_slots = self.capacity.slots
         self.engine = DecodeEngine(runtime, num_slots, max_len, kv_dtype, max_queue,
                                    loader_threads=num_slots)
         self._local_lock = threading.Lock()  # one local prefill at a time: they share the cores

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rngd_pd import errors
+from rngd_pd.engine.capacity import decode_slots
 from rngd_pd.engine.chunks import Chunk, ChunkEmitter, context_len
 from rngd_pd.engine.colocated import ColocatedEngine
 from rngd_pd.engine.orchestrator import Orchestrator, RunStats
@@ -235,7 +236,10 @@ class ColocatedModel(_GenerationModel):
 
     def initialize(self, args: dict) -> None:
         p = model_params(ColocatedParams, args)
-        self.engine = ColocatedEngine(load_for(p, args), p.num_slots, p.max_len, p.kv_dtype,
+        runtime = load_for(p, args)
+        slots = decode_slots(runtime, p.num_slots, p.max_len, p.kv_dtype, p.step_target_ms, p.kv_cache_mb)
+        pbutils.log(f"{args.get('model_instance_name', self.name)}: {slots.reason}")
+        self.engine = ColocatedEngine(runtime, slots.slots, p.max_len, p.kv_dtype,
                                       p.chunk_size or None, **p.prefix_kwargs())
         self._init_serving(args, p.max_inflight, p.max_queue)
 

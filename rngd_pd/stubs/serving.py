@@ -45,7 +45,9 @@ class PrefillParams(PrefixParams, ServingParams):
 
 
 @dataclass(frozen=True)
-class DecodeParams(ServingParams):
+class SlotParams:
+    """Decode's slots, in every model that decodes (rngd_pd.engine.capacity)."""
+
     num_slots: int = param(0, help="concurrent decode streams per instance (continuous batching); 0 = sized "
                                    "at load from the measured step time and the free memory (at most 16)")
     step_target_ms: float = param(100.0, help="num_slots 0: the most rows whose decode step, measured at "
@@ -53,6 +55,10 @@ class DecodeParams(ServingParams):
                                                "are idle, takes at most this long")
     kv_cache_mb: int = param(0, help="num_slots 0: memory for decode's KV cache (0 = a quarter of the "
                                      "memory free at load)")
+
+
+@dataclass(frozen=True)
+class DecodeParams(SlotParams, ServingParams):
     max_len: int = param(4096, help="longest prompt + max_tokens one slot holds")
     max_queue: int = param(64, help="requests waiting for a slot before CapacityError")
     # It includes the time the request's last prefill turn waits in Triton's queue of the prefill model (pd
@@ -70,8 +76,7 @@ class DecodeParams(ServingParams):
 
 
 @dataclass(frozen=True)
-class ColocatedParams(PrefixParams, ServingParams):
-    num_slots: int = param(8, help="concurrent decode streams per instance")
+class ColocatedParams(SlotParams, PrefixParams, ServingParams):
     max_len: int = param(4096, help="longest prompt + max_tokens")
     chunk_size: int = param(512, help="prefill chunk (0 = whole prompt)")
     max_inflight: int = param(32, help="requests run at once (one worker thread each, a fixed pool)")

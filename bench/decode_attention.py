@@ -15,10 +15,7 @@ A speed run runs alone: record the load average beside it (printed).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 import sys
 import types
 from pathlib import Path
@@ -29,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.prefill_attention import best_ms  # noqa: E402
+from bench.prefill_attention import best_ms, cli  # noqa: E402
 from rngd_pd.model.llama import _attend, _attend_runs, _AttnGroup  # noqa: E402
 
 LAYOUTS = {"1 row": [0], "8 rows": list(range(8)), "16 rows": list(range(16)),
@@ -74,26 +71,11 @@ def measure(dtype: torch.dtype, threads: int, repeat: int, heads: int = 9, kv_he
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
-    ap.add_argument("--repeat", type=int, default=30)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args(argv)
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    load = os.getloadavg()[0]
-    rows = [r for n in a.threads.split(",") for r in measure(dtype, int(n), a.repeat)]
-    print(f"decode attention per layer (9 heads, 3 KV heads, head_dim 64, cache of {SLOTS} x {MAX_LEN}), "
-          f"torch {torch.__version__}, load average {load:.2f}")
-    print("| dtype | threads | rows | keys | SDPA ms | matmuls ms | matmuls / SDPA | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['dtype']} | {r['threads']} | {r['rows']} | {r['keys']} | {r['sdpa_ms']} | "
-              f"{r['matmuls_ms']} | {r['matmuls_over_sdpa']} | {r['max_abs_diff']:.4g} |")
-    if a.json:
-        report = {"loadavg_1m": load, "torch": torch.__version__, "rows": rows}
-        a.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    columns = {"dtype": "dtype", "threads": "threads", "rows": "rows", "keys": "keys", "SDPA ms": "sdpa_ms",
+               "matmuls ms": "matmuls_ms", "matmuls / SDPA": "matmuls_over_sdpa",
+               "max abs diff": "max_abs_diff"}
+    title = f"decode attention per layer (9 heads, 3 KV heads, head_dim 64, cache of {SLOTS} x {MAX_LEN})"
+    return cli(argv, __doc__ or "", measure, title, columns, repeat=30)
 
 
 if __name__ == "__main__":

@@ -65,27 +65,40 @@ def measure(dtype: torch.dtype, threads: int, repeat: int, heads: int = 9, kv_he
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+Measure = Callable[[torch.dtype, int, int], list[dict]]
+
+
+def cli(argv: list[str] | None, doc: str, measure: Measure, title: str, columns: dict[str, str],
+        repeat: int) -> int:
+    """The attention benches' command line: `measure(dtype, threads, repeat)` per thread count, a table
+    of `columns` (header -> row key), JSON with the load average."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=repeat)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     load = os.getloadavg()[0]
     rows = [r for n in a.threads.split(",") for r in measure(dtype, int(n), a.repeat)]
-    print(f"prefill attention per layer (9 heads, 3 KV heads, head_dim 64), torch {torch.__version__}, "
-          f"load average {load:.2f}")
-    print("| dtype | threads | past | new | SDPA ms | query blocks ms | blocks / SDPA | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{title}, torch {torch.__version__}, load average {load:.2f}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in rows:
-        print(f"| {r['dtype']} | {r['threads']} | {r['past']} | {r['new']} | {r['sdpa_ms']} | "
-              f"{r['blocks_ms']} | {r['blocks_over_sdpa']} | {r['max_abs_diff']:.4g} |")
+        cells = (f"{r[k]:.4g}" if k == "max_abs_diff" else str(r[k]) for k in columns.values())
+        print("| " + " | ".join(cells) + " |")
     if a.json:
         report = {"loadavg_1m": load, "torch": torch.__version__, "rows": rows}
         a.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    columns = {"dtype": "dtype", "threads": "threads", "past": "past", "new": "new", "SDPA ms": "sdpa_ms",
+               "query blocks ms": "blocks_ms", "blocks / SDPA": "blocks_over_sdpa",
+               "max abs diff": "max_abs_diff"}
+    return cli(argv, __doc__ or "", measure, "prefill attention per layer (9 heads, 3 KV heads, head_dim 64)",
+               columns, repeat=7)
 
 
 if __name__ == "__main__":

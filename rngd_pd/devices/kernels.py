@@ -20,6 +20,7 @@ the weights would be converted at every step (more memory traffic than fp32 weig
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -28,7 +29,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _probe(config: Any, dtype: Any) -> Any:
     return model
 
 
-def _fastest(runs: dict[str, Any], repeat: int) -> dict[str, float]:
+def fastest(runs: dict[Any, Any], repeat: int) -> dict[Any, float]:
     """Each callable's fastest of `repeat` runs, the candidates interleaved, after one warm-up each."""
     best = {}
     for name, run in runs.items():
@@ -133,8 +134,8 @@ def measure(config: Any, repeat: int = 5) -> PhaseTimes:
         prefills[name] = functools.partial(model.prefill, tokens, kv_dtype=dtype)
         steps[name] = functools.partial(model.decode_step, rows + 1, positions, cache, rows)
     with torch.inference_mode():
-        prefill_s = _fastest(prefills, repeat)
-        decode_s = _fastest(steps, repeat * 3)
+        prefill_s = fastest(prefills, repeat)
+        decode_s = fastest(steps, repeat * 3)
     return PhaseTimes(prefill_s, decode_s)
 
 
@@ -144,19 +145,23 @@ def measured(config: Any, cpu: Any, env: Mapping[str, str] | None = None) -> tup
 
     key = cache_key(config, cpu, torch.get_num_threads(), torch.__version__)
     path = cache_path(env)
+    with _lock, host_turn(path.with_suffix(".lock")):  # prefill and decode load at once: one measures
+        return _measured_locked(config, key, path)
+
+
+@contextlib.contextmanager
+def host_turn(lock: Path) -> Iterator[None]:
+    """The block runs in one process of this host at a time (flock on `lock`, made if missing): the
+    instances' load-time measurements take turns. Without the file (no cache directory) no turns."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock_file: Any = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held for the block below
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock_file = open(lock, "a")  # noqa: SIM115 - held for the block below
     except OSError:
-        lock_file = None
-    with _lock:
-        if lock_file is not None:  # prefill and decode load at once: one measures, the other reads
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            return _measured_locked(config, key, path)
-        finally:
-            if lock_file is not None:
-                lock_file.close()
+        yield
+        return
+    with lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        yield
 
 
 def _measured_locked(config: Any, key: str, path: Path) -> tuple[PhaseTimes, bool]:

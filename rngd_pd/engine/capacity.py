@@ -19,16 +19,14 @@ needs `num_slots` to name the widths its graphs are built for.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import functools
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rngd_pd.config.dtypes import lookup
-from rngd_pd.devices.kernels import cache_path
+from rngd_pd.devices.kernels import cache_path, fastest, host_turn
 from rngd_pd.devices.runtime import DeviceRuntime, plan_buckets
 from rngd_pd.errors import ConfigError
 
@@ -75,7 +73,8 @@ def time_steps(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, posit
             failed.append(exc)
 
     thread = threading.Thread(target=run, name="decode-capacity")
-    with _host_turn():
+    # decode and colocated load together: two timing at once measured 4-6 slots, one at a time 15-16
+    with host_turn(cache_path().with_name("capacity.lock")):
         thread.start()
         thread.join()
     if failed:
@@ -83,36 +82,18 @@ def time_steps(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, posit
     return out
 
 
-@contextlib.contextmanager
-def _host_turn() -> Iterator[None]:
-    """One instance of this host times its steps at a time (decode and colocated load together, and
-    two timing at once measured 4-6 slots where one alone measured 15-16); no lock file, no turns."""
-    try:
-        path = cache_path().with_name("capacity.lock")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a")  # noqa: SIM115 - held for the block below
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _time_steps_here(runtime: DeviceRuntime, rows: Sequence[int], kv_dtype: Any, position: int,
                      repeat: int) -> dict[int, float]:
     most = max(rows)
     cache = runtime.new_cache(most, position + 1, kv_dtype)
     host, index = runtime.step_buffers(most)
-    best = dict.fromkeys(rows, float("inf"))
-    with runtime.inference():
-        for i in range(repeat + 1):  # the row counts take turns, so a busy moment costs each one sample
-            for n in rows:
-                host[0, :n], host[1, :n], host[2, :n] = 1, position, range(n)
-                t0 = time.perf_counter()
-                runtime.decode_step_parts(index[0, :n], index[1, :n], [(cache, index[2, :n])])
-                if i:  # the first round warms up (and packs the weights once)
-                    best[n] = min(best[n], time.perf_counter() - t0)
+
+    def step(n: int) -> None:
+        host[0, :n], host[1, :n], host[2, :n] = 1, position, range(n)
+        runtime.decode_step_parts(index[0, :n], index[1, :n], [(cache, index[2, :n])])
+
+    with runtime.inference():  # the row counts take turns, so a busy moment costs each one sample
+        best = fastest({n: functools.partial(step, n) for n in rows}, repeat)
     return {n: t * 1000 for n, t in best.items()}
 
 

@@ -456,8 +456,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tens
 
 def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Decode attention by SDPA over the cache's views: q [B, KVH, G, hd], k/v [B, KVH, L, hd], mask
-    [B, 1, 1, L] (True: attend) -> [B, KVH, G, hd]. With torch 2.13 on the CPU 1.5-5x faster than
-    `_attend`, which needs a copy of K (docs/model.md, bench/decode_attention.py)."""
+    [B, 1, 1, L] (True: attend) -> [B, KVH, G, hd]. With torch 2.13 on the CPU 1.3-2.3x faster in bf16
+    than `_attend`, which needs a copy of K (docs/model.md, bench/decode_attention.py)."""
     b, kvh, g, hd = q.shape
     out = F.scaled_dot_product_attention(q.reshape(b, kvh * g, 1, hd), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=True)

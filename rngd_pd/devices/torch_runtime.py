@@ -24,6 +24,7 @@ from rngd_pd.devices.base import Device, unavailable
 from rngd_pd.devices.cores import CoreShare, host_cores
 from rngd_pd.devices.runtime import DeviceRuntime, GraphShapes, KVList, MemoryInfo, OnLayer
 from rngd_pd.errors import ConfigError
+from rngd_pd.host.memory import process_memory
 from rngd_pd.model.cache import KVCache
 from rngd_pd.model.llama import StepPart
 
@@ -251,14 +252,9 @@ class _Uploaded:
 
 
 def _host_memory() -> MemoryInfo:
-    """MemTotal / MemAvailable of this host (cgroup limits are the orchestrator's business)."""
-    fields: dict[str, int] = {}
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            fields[name] = int(rest.split()[0]) * 1024
-    total = fields.get("MemTotal", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    return MemoryInfo(total, fields.get("MemAvailable", 0))
+    """The host's memory as this process may use it: capped by its memory cgroup (a pod's limit)."""
+    mem = process_memory()
+    return MemoryInfo(mem.total, mem.free)
 
 
 def as_runtime(obj: Any) -> DeviceRuntime:

@@ -4,7 +4,8 @@ A slot costs memory (one sequence's KV in every bucket) and time (each row it ad
 longer, so every stream's time per output token). So the count is the smallest of
 
 * by memory: the KV budget (`kv_cache_mb`, or a quarter of the memory free at load, as vLLM sizes
-  its KV cache from a share of what the device has) over one slot's KV in every bucket;
+  its KV cache from a share of what the device has; on the CPU, free within the process's memory
+  cgroup too, a pod's limit: rngd_pd.host.memory) over one slot's KV in every bucket;
 * by step time: the most rows whose decode step takes at most `step_target_ms`: measured now at
   `PROBE_ROWS` rows, every row at `PROBE_POSITION` tokens, on the cores decode computes on while the
   host's other instances are idle (all of a decode host's; on a host it shares with prefill, steps

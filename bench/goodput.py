@@ -9,6 +9,7 @@ other, with the same arrivals and prompts.
     python bench/goodput.py --ttft-ms 2000 --ttft-ms-per-token 4 --tpot-ms 150
     python bench/goodput.py --systems pd --attach pd=http://127.0.0.1:9000   # a running front end
     python bench/goodput.py --rescore before=runA,after=runB --tpot-ms 150   # earlier runs, rescored
+    python bench/goodput.py --aiperf 0.5                      # + NVIDIA aiperf's request-rate mode at 0.5
 
 A request meets the objective when it succeeds, its TTFT <= max(--ttft-ms, --ttft-ms-per-token x its
 prompt tokens) and its TPOT <= --tpot-ms. Attainment at a rate = the share of the run's requests that meet
@@ -19,6 +20,11 @@ Workloads: `mix` (unique prompts whose lengths follow --mix), `chat` (conversati
 resends the history plus a new user message: prefixes shared, as a chat client does), `summarize` (long
 prompts, short outputs). Output tokens are --max-tokens with EOS ignored. Every point (and the warm-up)
 salts its prompts' first word, so no point reuses another's prefixes from a server's prefix cache.
+
+`--aiperf RATE` checks one point with a second client: after each system's sweep, NVIDIA's aiperf
+(request-rate mode, its own Poisson arrivals and prompts, the mix as its --seq-dist) sends as many
+requests at RATE, and its per-request records are scored against the same objective; the table gives
+its attainment beside the load generator's at that rate, the plot marks it.
 
 Prints a table; writes goodput.json (every point and request), goodput.png (attainment against rate per
 system) and the servers' logs under --out. A speed run runs alone: nothing else on the machine; the load
@@ -33,6 +39,7 @@ import functools
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +53,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(ROOT))
 
 from bench import load_gen, sweep  # noqa: E402
+from bench.peers import aiperf, vllm  # noqa: E402
 
 SYSTEMS = ("pd", "vllm")
 DEFAULT_MIX = "128:0.7,512:0.2,1536:0.1"
@@ -278,6 +286,47 @@ def measure_system(url: str, system: str, requests: Sequence[Request], a: argpar
     return points
 
 
+def seq_dist(mix: Sequence[tuple[int, float]], max_tokens: int) -> str:
+    """The mix as aiperf's --seq-dist (`ISL,OSL:PERCENT;...`, whole percents summing to 100)."""
+    pct = [round(w * 100) for _, w in mix]
+    pct[pct.index(max(pct))] += 100 - sum(pct)
+    return ";".join(f"{t},{max_tokens}:{p}" for (t, _), p in zip(mix, pct, strict=True) if p > 0)
+
+
+def aiperf_results(artifacts: Path) -> tuple[list[load_gen.Result], float]:
+    """aiperf's per-request records as load_gen results (its ITL is load_gen's TPOT), scored alike,
+    and the seconds from the first request's start to the last one's end."""
+    records = aiperf.read_records(artifacts)
+    results = [load_gen.Result(i, r["prompt_tokens"], r["output_tokens"], r["ttft_ms"], r["tpot_ms"],
+                               r["e2e_ms"], error=r["error"]) for i, r in enumerate(records)]
+    ends = [r["start_ns"] / 1e9 + (r["e2e_ms"] or 0) / 1000 for r in records]
+    return results, (max(ends) - records[0]["start_ns"] / 1e9) if records else 0.0
+
+
+def measure_aiperf(url: str, system: str, a: argparse.Namespace, objective: Objective) -> dict[str, Any]:
+    """One point by NVIDIA's aiperf in its request-rate mode (its own Poisson arrivals and prompts, the
+    mix as --seq-dist, EOS ignored) against the server the sweep just measured, scored against the
+    same objective from aiperf's per-request records: the load generator's figure at that rate, checked
+    by a client the field uses."""
+    artifacts = a.out / f"aiperf-{system}"
+    argv = aiperf.profile_argv(url, sweep._model_id(url), tokenizer=vllm.write_hf_copy(sweep.embedded_gguf()),
+                               concurrency=0, requests=a.requests, prompt_tokens=0, max_tokens=a.max_tokens,
+                               artifacts=artifacts, request_rate=a.aiperf,
+                               seq_dist=seq_dist(parse_mix(a.mix), a.max_tokens), seed=a.seed)
+    with (a.out / f"aiperf-{system}.log").open("wb") as logf:
+        proc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, check=False,
+                              timeout=a.timeout + a.requests / a.aiperf * 3,
+                              env=aiperf.environment(dict(os.environ)))
+    results, wall = aiperf_results(artifacts)
+    if not results:
+        raise RuntimeError(f"aiperf exited {proc.returncode} with no records: {a.out}/aiperf-{system}.log")
+    row = {**point_row(system, a.aiperf, results, wall, objective), "client": "aiperf"}
+    log(f"{system:>5} {a.aiperf:6.3f} req/s by aiperf: attainment {row['attainment']:.2f}, TTFT p50/p90 "
+        f"{row['ttft_p50_ms']}/{row['ttft_p90_ms']} ms, TPOT p50/p90 {row['tpot_p50_ms']}/"
+        f"{row['tpot_p90_ms']} ms")
+    return row
+
+
 def start_system(system: str, a: argparse.Namespace, stack: ExitStack) -> str:
     """The base URL of a running `system`, started through bench/sweep.py's launchers (or attached)."""
     if system in a.attached:
@@ -294,7 +343,7 @@ def start_system(system: str, a: argparse.Namespace, stack: ExitStack) -> str:
 # ----------------------------------------------------------------------------- report
 
 
-def table(points: Sequence[dict[str, Any]], target: float) -> str:
+def table(points: Sequence[dict[str, Any]], target: float, checks: Sequence[dict[str, Any]] = ()) -> str:
     lines = ["| system | rate (req/s) | attainment | TTFT p50 / p90 ms | TPOT p50 / p90 ms | errors | load |",
              "|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p["system"], p["rate"])):
@@ -309,10 +358,18 @@ def table(points: Sequence[dict[str, Any]], target: float) -> str:
     lines += [f"goodput ({target:.0%} within the objective) {s}: {g:g} req/s" for s, g in good.items()]
     if good.get("vllm"):
         lines.append(f"goodput pd / vllm: {good.get('pd', 0.0) / good['vllm']:.2f}x")
+    for c in checks:
+        same = [p for p in points if p["system"] == c["system"] and abs(p["rate"] - c["rate"]) < 1e-6]
+        lines.append(f"aiperf {c['system']} at {c['rate']:g} req/s: attainment {c['attainment']:.2f} "
+                     f"(load_gen {same[0]['attainment']:.2f})" if same else
+                     f"aiperf {c['system']} at {c['rate']:g} req/s: attainment {c['attainment']:.2f}")
+        lines[-1] += (f", TTFT p50/p90 {c['ttft_p50_ms']}/{c['ttft_p90_ms']} ms, TPOT p50/p90 "
+                      f"{c['tpot_p50_ms']}/{c['tpot_p90_ms']} ms, errors {c['errors']}")
     return "\n".join(lines)
 
 
-def plot(points: Sequence[dict[str, Any]], target: float, title: str, path: Path) -> None:
+def plot(points: Sequence[dict[str, Any]], target: float, title: str, path: Path,
+         checks: Sequence[dict[str, Any]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,6 +380,9 @@ def plot(points: Sequence[dict[str, Any]], target: float, title: str, path: Path
         ps = sorted((p for p in points if p["system"] == system), key=lambda p: p["rate"])
         ax.plot([p["rate"] for p in ps], [p["attainment"] for p in ps], marker="o",
                 label=f"{system} (goodput {goodput(ps, target):g} req/s)")
+    for c in checks:
+        ax.plot([c["rate"]], [c["attainment"]], marker="x", markersize=10, linestyle="none",
+                label=f"{c['system']} by aiperf")
     ax.axhline(target, color="grey", linestyle="--", linewidth=1)
     ax.set_xlabel("request rate (req/s, Poisson)")
     ax.set_ylabel("share of requests within the objective")
@@ -366,6 +426,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--pd-num-slots", type=int, default=0, help="pd's decode slots (0: what serve sizes)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `rngd-pd serve` argument")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--aiperf", type=float, default=0.0, metavar="RATE",
+                    help="also run NVIDIA aiperf's request-rate mode at RATE against each system (mix and "
+                         "summarize workloads; its own venv, bench/peers/aiperf.py)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     out = ROOT / "bench" / "out" / time.strftime("goodput-%Y%m%d-%H%M%S")
     ap.add_argument("--out", type=Path, default=out)
@@ -382,6 +445,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.mix = a.mix or (SUMMARIZE_MIX if a.workload == "summarize" else DEFAULT_MIX)
     if not a.rates or min(a.rates) <= 0 or not 0 < a.attainment <= 1:
         ap.error("--rates must be > 0 and --attainment in (0, 1]")
+    if a.aiperf < 0 or (a.aiperf and a.workload == "chat"):
+        ap.error("--aiperf RATE: a rate > 0, for the mix and summarize workloads (aiperf draws its own "
+                 "prompts)")
     return a
 
 
@@ -401,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{a.workload}: {len(a.requests_)} requests a point; objective {objective}; "
         f"load average {os.getloadavg()[0]:.2f}")
     points: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []  # aiperf's points: reported beside the sweep, not in its goodput
     if a.rescore:
         points = rescore(a.rescore, objective)
         a.systems = sorted({p["system"] for p in points})
@@ -410,16 +477,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with ExitStack() as stack:
                     url = start_system(system, a, stack)
                     points += measure_system(url, system, a.requests_, a, objective, sink)
+                    if a.aiperf:
+                        checks.append(measure_aiperf(url, system, a, objective))
     shape = f"{a.conversations}x{a.turns} turns" if a.workload == "chat" else a.mix
     title = f"{a.workload} ({shape}); {objective}"
     report = {
         "workload": a.workload, "mix": a.mix, "objective": asdict(objective), "attainment": a.attainment,
         "rates": a.rates, "cpu": cpu_name(), "points": points,
         "goodput": {s: goodput([p for p in points if p["system"] == s], a.attainment) for s in a.systems},
+        "aiperf": checks,
     }
     (a.out / "goodput.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(points, a.attainment, title, a.out / "goodput.png")
-    print(table(points, a.attainment))
+    plot(points, a.attainment, title, a.out / "goodput.png", checks)
+    print(table(points, a.attainment, checks))
     log(f"wrote {a.out}/goodput.json, goodput.png" + ("" if a.rescore else ", points.jsonl"))
     return 0
 

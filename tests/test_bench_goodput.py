@@ -141,3 +141,48 @@ def test_rescore_scores_earlier_runs_against_another_objective(tmp_path):
                          "--ttft-ms-per-token", "4", "--tpot-ms", "150"]) == 0
     report = json.loads((out / "goodput.json").read_text())
     assert report["goodput"] == {"pd": 0.5} and (out / "goodput.png").is_file()
+
+
+# ----------------------------------------------------------------------------- the aiperf point
+
+
+def _aiperf_line(start_ns: int, isl: int, ttft: float, itl: float, latency: float,
+                 error: dict | None = None) -> str:
+    """One line of aiperf 0.13's profile_export.jsonl (--export-level records), the fields read here."""
+    metrics = {"input_sequence_length": {"value": isl, "unit": "tokens"},
+               "output_sequence_length": {"value": 64, "unit": "tokens"},
+               "time_to_first_token": {"value": ttft, "unit": "ms"},
+               "inter_token_latency": {"value": itl, "unit": "ms"},
+               "request_latency": {"value": latency, "unit": "ms"}}
+    doc = {"metadata": {"session_num": 0, "request_start_ns": start_ns, "benchmark_phase": "profiling"},
+           "metrics": {} if error else metrics}
+    if error:
+        doc["error"] = error
+    return json.dumps(doc) + "\n"
+
+
+def test_aiperf_point_is_the_mix_in_request_rate_mode_scored_from_its_records(tmp_path):
+    assert goodput.seq_dist(goodput.parse_mix(goodput.DEFAULT_MIX), 64) == "128,64:70;512,64:20;1536,64:10"
+    assert goodput.seq_dist(goodput.parse_mix("1:1,2:1,3:1"), 8) == "1,8:34;2,8:33;3,8:33"  # sums to 100
+    run = tmp_path / "aiperf-pd" / "deep"
+    run.mkdir(parents=True)
+    s = 1_000_000_000
+    (run / "profile_export.jsonl").write_text(
+        _aiperf_line(3 * s, 1536, 2500.0, 50.0, 5650.0)      # within max(1 s, 3,072 ms)
+        + _aiperf_line(1 * s, 128, 900.0, 120.0, 8460.0)     # TPOT over 100 ms
+        + _aiperf_line(2 * s, 512, 1100.0, 60.0, 4880.0)     # TTFT over max(1 s, 1,024 ms)
+        + _aiperf_line(4 * s, 128, 0.0, 0.0, 0.0, error={"code": 503, "message": "queue full"}))
+    results, wall = goodput.aiperf_results(tmp_path / "aiperf-pd")
+    assert [r.prompt_tokens for r in results] == [128, 512, 1536, 0]  # in the order sent
+    assert results[-1].error == "queue full" and results[0].tpot_ms == 120.0
+    assert wall == pytest.approx(1 + 8.46 - 1)  # the first start to the last end (the first 128's)
+    row = goodput.point_row("pd", 0.5, results, wall, goodput.Objective())
+    assert (row["attainment"], row["errors"]) == (0.25, 1)
+    a = goodput.parse_args(["--aiperf", "0.5"])
+    assert a.aiperf == 0.5
+    with pytest.raises(SystemExit):
+        goodput.parse_args(["--workload", "chat", "--aiperf", "0.5"])
+    text = goodput.table([{**row, "attainment": 0.5}], 0.9, [{**row, "client": "aiperf"}])
+    assert "aiperf pd at 0.5 req/s: attainment 0.25 (load_gen 0.50)" in text
+    goodput.plot([row], 0.9, "t", tmp_path / "g.png", [row])
+    assert (tmp_path / "g.png").stat().st_size > 1000

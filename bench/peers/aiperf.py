@@ -7,8 +7,9 @@ first use at the lowest CPU priority:
     python bench/peers/aiperf.py install        # idempotent; prints the aiperf executable
 
 `profile_argv` is the command line bench/sweep.py runs (synthetic prompts of a fixed length, fixed
-output length with EOS ignored, streaming completions, a closed loop of N streams); `read_results`
-maps aiperf's JSON export onto the sweep's row fields. aiperf's inter-token latency is per request
+output length with EOS ignored, streaming completions, a closed loop of N streams) and bench/goodput.py
+runs (request-rate mode: Poisson arrivals, a mix of prompt lengths); `read_results` maps aiperf's JSON
+export onto the sweep's row fields, `read_records` gives each request's figures. aiperf's inter-token latency is per request
 (latency - TTFT) / (output tokens - 1), the same definition as load_gen's TPOT.
 """
 
@@ -33,6 +34,7 @@ PACKAGE = "aiperf==0.13.0"
 # without it a local folder is loaded directly, with no network access.
 UNSET = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 EXPORT = "profile_export_aiperf.json"
+RECORDS = "profile_export.jsonl"  # one line per request (--export-level records)
 
 # aiperf metric tag -> (row field, statistic); the first statistic present wins.
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -93,8 +95,18 @@ def profile_argv(
     ignore_eos: bool = True,
     seed: int = 0,
     venv: Path = VENV,
+    request_rate: float | None = None,
+    seq_dist: str | None = None,
 ) -> list[str]:
-    """`aiperf profile` for one closed-loop point against an OpenAI /v1/completions endpoint."""
+    """`aiperf profile` against an OpenAI /v1/completions endpoint: a closed loop of `concurrency`
+    streams, or open-loop Poisson arrivals at `request_rate` (aiperf's request-rate mode); prompts of
+    `prompt_tokens` with `max_tokens` out, or aiperf's own mix of (ISL, OSL) pairs `seq_dist`
+    (`ISL,OSL:PERCENT;...`). Per-request records are exported too (read_records)."""
+    load = (["--request-rate", f"{request_rate:g}", "--arrival-pattern", "poisson"] if request_rate
+            else ["--concurrency", str(concurrency)])
+    shapes = (["--seq-dist", seq_dist] if seq_dist else
+              ["--synthetic-input-tokens-mean", str(prompt_tokens), "--synthetic-input-tokens-stddev", "0",
+               "--output-tokens-mean", str(max_tokens), "--output-tokens-stddev", "0"])
     argv = [
         str(executable(venv)),
         "profile",
@@ -107,23 +119,17 @@ def profile_argv(
         "--streaming",
         "--tokenizer",
         str(tokenizer),
-        "--concurrency",
-        str(concurrency),
+        *load,
         "--request-count",
         str(requests),
-        "--synthetic-input-tokens-mean",
-        str(prompt_tokens),
-        "--synthetic-input-tokens-stddev",
-        "0",
-        "--output-tokens-mean",
-        str(max_tokens),
-        "--output-tokens-stddev",
-        "0",
+        *shapes,
         "--random-seed",
         str(seed),
         "--use-server-token-count",
         "--artifact-dir",
         str(artifacts),
+        "--export-level",
+        "records",
         "--ui-type",
         "none",
         "--no-server-metrics",
@@ -186,6 +192,38 @@ def read_results(artifacts: Path) -> dict[str, Any] | None:
         return None
     row = parse_export(json.loads(path.read_text()))
     return row if row.get("output_tok_s") is not None else None
+
+
+def _value(metrics: dict[str, Any], tag: str) -> float | None:
+    v = metrics.get(tag)
+    v = v.get("value") if isinstance(v, dict) else v
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def read_records(artifacts: Path) -> list[dict[str, Any]]:
+    """Each request of the newest run under `artifacts`, in the order aiperf sent them: prompt and
+    output tokens, TTFT, ITL (= TPOT: (latency - TTFT) / (output tokens - 1)) and latency in ms, the
+    start (ns) and the error aiperf recorded (None when it succeeded)."""
+    hits = sorted(artifacts.rglob(RECORDS), key=lambda p: p.stat().st_mtime) if artifacts.exists() else []
+    if not hits:
+        return []
+    out = []
+    for line in hits[-1].read_text().splitlines():
+        if not line.strip():
+            continue
+        doc = json.loads(line)
+        m, meta = doc.get("metrics") or {}, doc.get("metadata") or {}
+        error = doc.get("error")
+        out.append({
+            "prompt_tokens": int(_value(m, "input_sequence_length") or _value(m, "usage_prompt_tokens") or 0),
+            "output_tokens": int(_value(m, "output_sequence_length") or 0),
+            "ttft_ms": _value(m, "time_to_first_token"),
+            "tpot_ms": _value(m, "inter_token_latency"),
+            "e2e_ms": _value(m, "request_latency"),
+            "start_ns": meta.get("request_start_ns") or 0,
+            "error": (error.get("message") or str(error)) if isinstance(error, dict) else error,
+        })
+    return sorted(out, key=lambda r: r["start_ns"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,3 +155,35 @@ def test_the_runtime_lends_only_where_the_bits_stay_the_same(tmp_path: Path, mon
         torch.set_num_threads(1)
         if runtime.cores is not None:
             runtime.cores.close()
+
+
+def test_a_lent_thread_count_reaches_mkl_too() -> None:
+    """MKL runs fp32 prefill's GEMMs and keeps its own count, which torch.set_num_threads sets on the
+    calling thread: the lender's count must reach MKL too, read back by MKL's own getter."""
+    code = """
+import ctypes, os, threading, torch
+from rngd_pd.devices.torch_runtime import _OpenMP, _mkl_local_setter
+lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+if not torch.backends.mkl.is_available():
+    assert _mkl_local_setter(lib) is None
+    print("no mkl")
+    raise SystemExit
+get = ctypes.CDLL(lib).MKL_Get_Max_Threads
+seen = {}
+def lender():  # as a stub's execute thread: torch_threads applied on it at load, then lent a core
+    torch.set_num_threads(1)
+    _OpenMP().set_threads(2)
+    seen["lender"] = get()
+    _OpenMP().set_threads(1)
+    seen["back"] = get()
+torch.set_num_threads(1)
+t = threading.Thread(target=lender); t.start(); t.join()
+seen["other"] = get()
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    if torch.backends.mkl.is_available():
+        assert out == "{'lender': 2, 'back': 1, 'other': 1}"
+    else:
+        assert out == "no mkl"

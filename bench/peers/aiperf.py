@@ -9,8 +9,8 @@ first use at the lowest CPU priority:
 `profile_argv` is the command line bench/sweep.py runs (synthetic prompts of a fixed length, fixed
 output length with EOS ignored, streaming completions, a closed loop of N streams) and bench/goodput.py
 runs (request-rate mode: Poisson arrivals, a mix of prompt lengths); `read_results` maps aiperf's JSON
-export onto the sweep's row fields, `read_records` gives each request's figures. aiperf's inter-token latency is per request
-(latency - TTFT) / (output tokens - 1), the same definition as load_gen's TPOT.
+export onto the sweep's row fields, `read_records` gives each request's figures. aiperf's inter-token
+latency is per request (latency - TTFT) / (output tokens - 1), the same definition as load_gen's TPOT.
 """
 
 from __future__ import annotations

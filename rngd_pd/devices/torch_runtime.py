@@ -164,11 +164,15 @@ class TorchRuntime:
 class _OpenMP:
     """The calling thread's OpenMP thread count, and nothing else: torch.set_num_threads also sets
     the process-wide count that every other thread takes at its first parallel op (the KV loaders, a
-    local prefill), which would give them teams of their own (rngd_pd.devices.cores). A torch built
-    without libgomp falls back to torch's own setter."""
+    local prefill), which would give them teams of their own (rngd_pd.devices.cores). MKL, which runs
+    torch's fp32 GEMMs where oneDNN does not (prefill's projections in fp32), keeps a count of its own,
+    which torch.set_num_threads set on the execute thread at load: without MKL's thread-local count set
+    too, a prefill lent both cores of a 2-core AVX2 host ran its GEMMs on one. A torch built without
+    libgomp falls back to torch's own setter."""
 
     def __init__(self) -> None:
-        gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        gomp = os.path.join(lib_dir, "libgomp.so.1")
         try:
             lib = ctypes.CDLL(gomp if os.path.exists(gomp) else None)
             self._set, self._get = lib.omp_set_num_threads, lib.omp_get_max_threads
@@ -177,12 +181,15 @@ class _OpenMP:
             self._set = self._get = self._pause = None
             return
         self._set.argtypes, self._set.restype, self._get.restype = [ctypes.c_int], None, ctypes.c_int
+        self._mkl = _mkl_local_setter(os.path.join(lib_dir, "libtorch_cpu.so"))
 
     def set_threads(self, n: int) -> None:
         if self._set is None:
             torch.set_num_threads(n)
         else:
             self._set(n)
+            if self._mkl is not None:
+                self._mkl(n)
 
     def get_threads(self) -> int:
         return int(self._get()) if self._get is not None else torch.get_num_threads()
@@ -192,6 +199,18 @@ class _OpenMP:
         its next parallel region with more than one thread."""
         if self._pause is not None:
             self._pause(2)
+
+
+def _mkl_local_setter(lib: str) -> Callable[[int], int] | None:
+    """MKL's C `MKL_Set_Num_Threads_Local(int)` (the calling thread's count; 0 = the global one)
+    where torch links MKL in, else None. Not `mkl_set_num_threads_local`: in this build that name is
+    the Fortran entry, which takes a pointer."""
+    try:
+        fn = ctypes.CDLL(lib).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def _same_bits_on_a_thread(runtime: TorchRuntime, share: int, cores: int, phase: str) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("MKL_CBWR", "AUTO")
+from rngd_pd.config.env import MKL_CBWR
+
+os.environ.setdefault(MKL_CBWR.name, MKL_CBWR.default)
 
 __version__ = "0.1.0"

@@ -37,6 +37,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "rngd_pd/devices/rngd/graphs.py": CHILD_COPY,
     "rngd_pd/kv/nixl/agent.py": ("os.environ.update(",),
     "rngd_pd/kv/conformance.py": ("os.environ.update(",),
+    "rngd_pd/__init__.py": ("os.environ.setdefault(MKL_CBWR",),
 }
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 

@@ -188,6 +188,10 @@ UCX_TCP_RX_SEG_SIZE = _var("UCX_TCP_RX_SEG_SIZE", str, "512k", (TRANSPORTS,), "U
 UCX_MODULES = _var("UCX_MODULES", str, "^ib", (TRANSPORTS,), "UCX modules (^ib: no bundled libibverbs)")
 UCX_NET_DEVICES = _var("UCX_NET_DEVICES", str, None, (TRANSPORTS,), "the NICs UCX uses (UCX default: all)")
 UCX_ = _var("UCX_", str, None, (TRANSPORTS,), "UCX_*: every UCX setting, read by UCX itself", prefix=True)
+# MKL's own setting: importing rngd_pd applies this default where it is unset (rngd_pd/__init__.py).
+MKL_CBWR = _var("MKL_CBWR", str, "AUTO", (MODELS, DEVICES),
+                "MKL's reproducibility mode: AUTO keeps fp32 GEMM bits independent of memory alignment, "
+                "which batch-invariant decode needs on AVX2 CPUs")
 
 # ---- devices
 POD_UID = _var("POD_UID", str, None, (DEVICES,),

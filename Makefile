@@ -37,8 +37,9 @@ test: setup lint chart-tools
 	$(PY) -m pytest -q -m "not rngd and not vllm and not long" --durations=25 $(PYTEST_ARGS)
 
 # The fault, restart and change-under-streams e2e tests (marker long: SIGKILLed stubs, tritonserver
-# restarts, a weight swap or delta under 8 streams, network namespaces): 20-90 s each, so `make test`
-# leaves them to this target, which .ci/run runs after it.
+# restarts, a weight swap or delta under 8 streams, network namespaces): 20-90 s each, and the RNGD card
+# worker's bf16 conformance (5.4 min on a CPU without native bf16), so `make test` leaves them to this
+# target, which .ci/run runs after it.
 test-long: setup chart-tools
 	$(PY) -m pytest -q -m "long and not rngd and not vllm" --durations=10 $(PYTEST_ARGS)
 

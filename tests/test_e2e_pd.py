@@ -254,6 +254,7 @@ def test_pd_reaches_decode_through_this_servers_own_grpc_endpoint(server) -> Non
     assert f"pd reaches decode through this server's gRPC endpoint {server.grpc_url}" in log
 
 
+@pytest.mark.long  # the path pd left (decode_via=bls), kept working: make test-long
 def test_decode_by_bls_still_serves_correct_tokens(env: dict[str, str]) -> None:
     """decode_via=bls (forced, or where the server has no plain gRPC) is the old path, kept working."""
     with triton_server(E.REPOSITORY, "cpu", {**env, "RNGD_PD_DECODE_VIA": "bls"},

@@ -88,6 +88,7 @@ def test_prefill_and_decode_share_one_copy_and_it_goes_with_the_server(env) -> N
     assert not root.exists()  # the last holder removed the store, and the root with it
 
 
+@pytest.mark.long  # SIGKILLs a stub or the server: make test-long
 def test_a_killed_stub_leaves_nothing_after_the_server_stops(env) -> None:
     root = Path(env["RNGD_PD_WEIGHT_STORE"])
     with triton_server(E.subset_repository(MODELS), "cpu", env) as server:
@@ -99,6 +100,7 @@ def test_a_killed_stub_leaves_nothing_after_the_server_stops(env) -> None:
     assert not root.exists()
 
 
+@pytest.mark.long  # SIGKILLs a stub or the server: make test-long
 def test_a_killed_server_leaves_a_store_the_next_start_removes(env) -> None:
     root = Path(env["RNGD_PD_WEIGHT_STORE"])
     repo = E.subset_repository(("prefill", "decode"))

@@ -178,11 +178,12 @@ def test_aiperf_point_is_the_mix_in_request_rate_mode_scored_from_its_records(tm
     assert wall == pytest.approx(1 + 8.46 - 1)  # the first start to the last end (the first 128's)
     row = goodput.point_row("pd", 0.5, results, wall, goodput.Objective())
     assert (row["attainment"], row["errors"]) == (0.25, 1)
+    assert row["realized_rate"] == 1.0  # 4 arrivals 1 s apart
     a = goodput.parse_args(["--aiperf", "0.5"])
     assert a.aiperf == 0.5
     with pytest.raises(SystemExit):
         goodput.parse_args(["--workload", "chat", "--aiperf", "0.5"])
     text = goodput.table([{**row, "attainment": 0.5}], 0.9, [{**row, "client": "aiperf"}])
-    assert "aiperf pd at 0.5 req/s: attainment 0.25 (load_gen 0.50)" in text
+    assert "aiperf pd at 0.5 req/s (realized 1.0): attainment 0.25 (load_gen 0.50, realized 1.0)" in text
     goodput.plot([row], 0.9, "t", tmp_path / "g.png", [row])
     assert (tmp_path / "g.png").stat().st_size > 1000

@@ -10,6 +10,9 @@ may add detail after it), and the hooks accept exactly them.
 * a GPU present: the test checks the refusal seen without one;
 * no root: network namespaces (tests/test_e2e_netns.py) need root or CAP_SYS_ADMIN + CAP_NET_ADMIN, and
   `make test` must not need root;
+* no writable memory cgroup: tests/test_host_memory.py puts a child in a memory cgroup it makes, which
+  needs root (or a delegated subtree) and a cgroup filesystem mounted read-write (containers often
+  mount it read-only); the file-format checks beside it run everywhere;
 * no native bf16: the oneDNN bf16 path exists only on CPUs with AVX512-BF16/AMX (some CI hosts are
   AVX2-only); the fp32 path those hosts serve with is tested everywhere.
 
@@ -27,12 +30,14 @@ NO_GPU = "no CUDA device visible to torch"
 GPU_PRESENT = "a CUDA device is present"
 NO_NETNS = "cannot create network namespaces here (needs root, or CAP_SYS_ADMIN and CAP_NET_ADMIN)"
 NO_NATIVE_BF16 = "this CPU/torch has no oneDNN bf16 linears"
+NO_CGROUP = "no writable memory cgroup"
 
 ALLOWED: dict[str, str] = {
     NO_GPU: "no GPU",
     GPU_PRESENT: "a GPU is present",
     NO_NETNS: "no root for network namespaces",
     NO_NATIVE_BF16: "no native bf16 in this CPU",
+    NO_CGROUP: "no root for a memory cgroup",
 }
 
 def allowed(reason: str) -> str | None:

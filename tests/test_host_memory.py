@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rngd_pd.host.memory import CGROUP_ROOT, Memory, process_memory
+from tests import skips
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -98,7 +99,7 @@ def _own_memory_cgroup() -> Path | None:
 def test_a_real_cgroup_limit_caps_what_a_child_process_sees() -> None:
     parent = _own_memory_cgroup()
     if parent is None or not os.access(parent, os.W_OK):
-        pytest.skip("no writable memory cgroup (needs root or a delegated cgroup subtree)")
+        pytest.skip(f"{skips.NO_CGROUP} (needs root or a delegated cgroup subtree, mounted read-write)")
     child = parent / f"rngd-pd-test-{uuid.uuid4().hex[:8]}"
     limit = 768 * MIB
     child.mkdir()

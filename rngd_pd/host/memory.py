@@ -67,8 +67,7 @@ def _cgroup_dirs(proc_cgroup: str, root: Path) -> list[tuple[Path, str, str, str
         else:
             continue
         rel_path = Path(rel.lstrip("/"))
-        chain = [rel_path, *rel_path.parents]
-        for p in chain:
+        for p in (rel_path, *rel_path.parents):
             d = base / p
             if (d / files[0]).exists():
                 found.append((d, *files))
